@@ -1,0 +1,1 @@
+"""Rollout generation: engine, KV cache, sampling, speculative verification, CUDA graph profiles."""
