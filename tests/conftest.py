@@ -1,0 +1,56 @@
+"""Shared fixtures: the kit tokenizer and tiny seeded zoo models (CPU, offline).
+
+The model fixtures are session-scoped to keep the suite fast: treat them as read-only (a test that
+trains or edits weights should call `lightning_tlt.models.zoo.build_model` for its own copy).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from lightning_tlt.models.tokenizer import build_tokenizer
+from lightning_tlt.models.zoo import build_model
+
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> PreTrainedTokenizerFast:
+    """The character-level kit tokenizer (`build_tokenizer`)."""
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2() -> PreTrainedModel:
+    """A tiny Qwen2 (hidden 128, 2 layers, 2 heads, 1 KV head, q/k/v biases), seed 0, float32, eval mode."""
+    return build_model("qwen2", "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> PreTrainedModel:
+    """A tiny Llama (same shape as `tiny_qwen2`, no biases), seed 0, float32, eval mode."""
+    return build_model("llama", "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3() -> PreTrainedModel:
+    """A tiny Qwen3 (same shape, q/k RMSNorms), seed 0, float32, eval mode."""
+    return build_model("qwen3", "tiny", seed=0)
+
+
+@pytest.fixture(params=["qwen2", "llama", "qwen3"])
+def tiny_arch_model(request: pytest.FixtureRequest) -> PreTrainedModel:
+    """Each tiny zoo architecture in turn (fresh copy per test, seed 0)."""
+    return build_model(request.param, "tiny", seed=0)
+
+
+@pytest.fixture
+def generator() -> torch.Generator:
+    """A CPU `torch.Generator` seeded with 0 (the library never seeds globally)."""
+    return torch.Generator().manual_seed(0)
