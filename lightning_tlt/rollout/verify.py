@@ -1,0 +1,185 @@
+"""Lossless verification of drafted tokens by rejection sampling.
+
+Speculative sampling (Leviathan, Kalman and Matias 2023, "Fast Inference from Transformers via
+Speculative Decoding", Algorithm 1 and Theorem 3.5; Chen et al. 2023, "Accelerating Large Language
+Model Decoding with Speculative Sampling", Algorithm 2): a drafter proposes ``x ~ q``; the target
+accepts it with probability
+
+    a(x) = min(1, p(x) / q(x))                                   (acceptance, Leviathan eq. in §2.3)
+
+and on rejection samples from the residual
+
+    r(x) = (p(x) - q(x))+ / sum_y (p(y) - q(y))+                 (Chen et al., the "(.)+" operator)
+
+Then ``P(emit x) = q(x) a(x) + (1 - sum_y q(y) a(y)) r(x) = min(p, q) + (p - q)+ = p(x)``: the
+emitted token is distributed exactly as ``p``, at any temperature, top-k and top-p, as long as
+``p`` and ``q`` are the distributions after the same processing
+(`lightning_tlt.rollout.sampling.processed_probs`). A chain of k drafts is verified left to right:
+the first rejection emits a residual sample and discards the rest; if all k are accepted, one
+bonus token is sampled from the target's distribution at position k. Every row therefore emits
+between 1 and k + 1 tokens per verify forward.
+
+Deterministic drafts (the suffix drafter, or an argmax drafter) are the special case
+``q = one_hot(draft)``: ``a = p(draft)`` and ``r = p`` with the draft token removed, renormalised.
+At temperature 0 ``p`` is one-hot, so the same code accepts iff ``draft == argmax`` and the
+correction is the argmax: greedy stays greedy.
+
+Everything here is vectorised over rows, never syncs with the host, and draws all its randomness
+from an explicit ``torch.Generator``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_tlt.rollout.sampling import sample
+
+
+@dataclass
+class VerifyResult:
+    """What one verify step decided, per row (all tensors on the device of the inputs)."""
+
+    num_accepted: Tensor
+    """``(B,)`` long: how many drafted tokens were accepted, in ``[0, draft_len]``."""
+    tokens: Tensor
+    """``(B, k + 1)`` long: the accepted drafts, then the correction (on a rejection) or bonus token
+    (when all drafts were accepted), then ``pad_token_id``."""
+    logprobs: Tensor
+    """``(B, k + 1)`` float32: log-probability of each emitted token under the target's (processed)
+    distribution at its position, the distribution it is exactly distributed as; 0 after the emitted
+    tokens."""
+    num_emitted: Tensor
+    """``(B,)`` long: ``num_accepted + 1``, the tokens each row appends (and its KV length advance)."""
+
+
+def acceptance_probs(p: Tensor, q: Tensor) -> Tensor:
+    """Probability of accepting a drafted token, ``min(1, p / q)`` (Leviathan et al. 2023, §2.3).
+
+    Works elementwise, so it serves both the drafted token's values (``(B, k)``) and whole
+    distributions (``(..., V)``, used by the exactness test). Where ``q == 0`` the token cannot have
+    been drafted from ``q``; the limit of the ratio is used: 1 if ``p > 0`` and 0 if ``p == 0`` (a
+    token the target cannot emit is never accepted). ``q * a`` is 0 there either way, so the
+    identity ``q·a + (1 - Σ q·a)·r = p`` is unaffected.
+
+    Args:
+        p: target probabilities, any shape.
+        q: draft probabilities, same shape.
+
+    Returns:
+        Acceptance probabilities in ``[0, 1]``, same shape and dtype as ``p``.
+    """
+    ratio = (p / q.clamp_min(torch.finfo(q.dtype).tiny)).clamp_max(1.0)
+    return torch.where(q > 0, ratio, (p > 0).to(p.dtype))
+
+
+def residual_probs(p: Tensor, q: Tensor) -> Tensor:
+    """The distribution sampled after a rejection, ``normalise((p - q)+)`` (Chen et al. 2023, Alg. 2).
+
+    When the residual mass is 0 (``p == q``, so a rejection has probability 0 and the value does
+    not matter for correctness) ``p`` is returned, which also makes "no draft" (``q = 0``) the plain
+    target distribution.
+
+    Args:
+        p: ``(..., V)`` target probabilities.
+        q: ``(..., V)`` draft probabilities.
+
+    Returns:
+        ``(..., V)`` probabilities summing to 1.
+    """
+    diff = (p - q).clamp_min(0.0)
+    mass = diff.sum(-1, keepdim=True)
+    return torch.where(mass > 0, diff / mass.clamp_min(torch.finfo(diff.dtype).tiny), p)
+
+
+def verify_chain(
+    draft_tokens: Tensor,
+    draft_probs: Tensor | None,
+    target_probs: Tensor,
+    draft_lens: Tensor | None = None,
+    generator: torch.Generator | None = None,
+    *,
+    pad_token_id: int = 0,
+) -> VerifyResult:
+    """Verify a chain of drafted tokens per row by speculative rejection sampling.
+
+    Row ``b`` drafted ``draft_tokens[b, :draft_lens[b]]``; the target's forward over
+    ``[last_token, d_0, ..., d_{k-1}]`` gave ``target_probs[b, j]``, the distribution of the token at
+    draft position ``j`` (so ``target_probs[b, k]`` is the bonus distribution after all k drafts).
+    Positions ``>= draft_lens[b]`` count as "no draft": they are always rejected and their residual
+    is ``p`` itself, so rows with different draft lengths (including 0) share one call and one
+    static shape.
+
+    Args:
+        draft_tokens: ``(B, k)`` long drafted tokens (any id in ``[0, V)`` at positions past the row's
+            length, e.g. 0).
+        draft_probs: ``(B, k, V)`` the drafter's processed distributions the drafts were sampled from,
+            or ``None`` for deterministic drafts (``q`` one-hot at the drafted token).
+        target_probs: ``(B, k + 1, V)`` the target's processed distributions (same temperature,
+            top-k and top-p as the drafter's).
+        draft_lens: ``(B,)`` long number of valid drafts per row, in ``[0, k]``; ``None`` means k.
+        generator: source of all randomness (uniforms for acceptance, exponentials for the
+            correction sample); on the tensors' device.
+        pad_token_id: value written in ``tokens`` after each row's emitted tokens.
+
+    Returns:
+        A `VerifyResult`.
+    """
+    bsz, k = draft_tokens.shape
+    if target_probs.dim() != 3 or target_probs.shape[:2] != (bsz, k + 1):
+        raise ValueError(
+            f"target_probs must have shape (B, k + 1, V) = ({bsz}, {k + 1}, V), got {tuple(target_probs.shape)}"
+        )
+    vocab = target_probs.shape[-1]
+    if draft_probs is not None and draft_probs.shape != (bsz, k, vocab):
+        raise ValueError(
+            f"draft_probs must have shape (B, k, V) = ({bsz}, {k}, {vocab}) or be None, "
+            f"got {tuple(draft_probs.shape)}"
+        )
+    device = target_probs.device
+    positions = torch.arange(k + 1, device=device)  # (k+1,)
+    if draft_lens is None:
+        valid = torch.ones(bsz, k, dtype=torch.bool, device=device)
+    else:
+        valid = positions[:k].unsqueeze(0) < draft_lens.unsqueeze(1)  # (B, k)
+
+    # acceptance of each drafted token, then the first rejection per row
+    p_draft = target_probs[:, :k].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (B, k)
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_draft = draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (B, k)
+    accept_p = acceptance_probs(p_draft, q_draft)
+    uniforms = torch.rand(bsz, k, generator=generator, device=device, dtype=accept_p.dtype)
+    accepted = (uniforms < accept_p) & valid  # (B, k)
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # (B,)
+
+    # the correction (residual after a rejected draft) or bonus (plain p) token at position n
+    row = torch.arange(bsz, device=device)
+    p_n = target_probs[row, num_accepted]  # (B, V)
+    n_is_draft = num_accepted < k
+    if draft_lens is not None:
+        n_is_draft = n_is_draft & (num_accepted < draft_lens)
+    n_clamped = num_accepted.clamp_max(k - 1) if k > 0 else num_accepted
+    if k == 0:
+        q_n = torch.zeros_like(p_n)
+    elif draft_probs is None:
+        q_n = torch.nn.functional.one_hot(draft_tokens[row, n_clamped], vocab).to(p_n.dtype)
+    else:
+        q_n = draft_probs[row, n_clamped].to(p_n.dtype)  # (B, V)
+    q_n = q_n * n_is_draft.unsqueeze(-1).to(p_n.dtype)  # "no draft" there: residual = p
+    correction = sample(residual_probs(p_n, q_n), generator)  # (B,)
+
+    # assemble emitted tokens and their log-probabilities under the target
+    at_n = positions.unsqueeze(0) == num_accepted.unsqueeze(1)  # (B, k+1)
+    emitted = positions.unsqueeze(0) <= num_accepted.unsqueeze(1)  # (B, k+1)
+    chosen = torch.cat([draft_tokens, correction.unsqueeze(1)], dim=1)  # (B, k+1), valid ids everywhere
+    chosen = torch.where(at_n, correction.unsqueeze(1), chosen)
+    logp = target_probs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).float().clamp_min(1e-30).log()
+    tokens = torch.where(emitted, chosen, torch.full_like(chosen, pad_token_id))
+    logprobs = torch.where(emitted, logp, torch.zeros_like(logp))
+    return VerifyResult(
+        num_accepted=num_accepted, tokens=tokens, logprobs=logprobs, num_emitted=num_accepted + 1
+    )
