@@ -114,7 +114,9 @@ def encode_prompt(tokenizer: PreTrainedTokenizerFast, prompt: str | Sequence[Map
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         bos = tokenizer.bos_token_id
         return ([bos] if bos is not None else []) + list(ids)
-    if isinstance(prompt, Sequence) and all(isinstance(m, Mapping) and "role" in m and "content" in m for m in prompt):
+    if isinstance(prompt, Sequence) and all(
+        isinstance(m, Mapping) and "role" in m and "content" in m for m in prompt
+    ):
         ids = tokenizer.apply_chat_template(
             [dict(m) for m in prompt], add_generation_prompt=True, tokenize=True, return_dict=False
         )

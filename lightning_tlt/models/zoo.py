@@ -64,17 +64,45 @@ class ZooSize:
 
 ZOO_SIZES: dict[str, ZooSize] = {
     # ~0.3 M parameters: CPU unit tests; 2 query heads share 1 KV head (GQA exercised)
-    "tiny": ZooSize(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256),
+    "tiny": ZooSize(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=256,
+    ),
     # ~3.2 M: CPU demos and the warm start
-    "small": ZooSize(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=768),
+    "small": ZooSize(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=768,
+    ),
     # ~104 M: GPU benchmarks
-    "100m": ZooSize(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4, intermediate_size=3072),
+    "100m": ZooSize(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=3072,
+    ),
     # ~0.36 B: the body of Qwen2-0.5B
-    "400m": ZooSize(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864),
+    "400m": ZooSize(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+    ),
 }
 """Named sizes of the zoo (parameter counts with the default 128-token vocabulary)."""
 
-_CONFIGS: dict[str, type[PretrainedConfig]] = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config}
+_CONFIGS: dict[str, type[PretrainedConfig]] = {
+    "qwen2": Qwen2Config,
+    "llama": LlamaConfig,
+    "qwen3": Qwen3Config,
+}
 
 
 def default_vocab_size(multiple: int = 64) -> int:
@@ -82,7 +110,9 @@ def default_vocab_size(multiple: int = 64) -> int:
     return int(math.ceil(len(build_tokenizer()) / multiple) * multiple)
 
 
-def build_config(arch: str = "qwen2", size: str = "tiny", *, vocab_size: int | None = None) -> PretrainedConfig:
+def build_config(
+    arch: str = "qwen2", size: str = "tiny", *, vocab_size: int | None = None
+) -> PretrainedConfig:
     """The HF config of a zoo model (see `build_model`)."""
     if arch not in _CONFIGS:
         raise ValueError(f"arch must be one of {sorted(_CONFIGS)}, got {arch!r}")
@@ -167,7 +197,9 @@ def count_parameters(model: torch.nn.Module, *, trainable_only: bool = False) ->
     return total
 
 
-def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, directory: str | Path) -> Path:
+def save_model(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, directory: str | Path
+) -> Path:
     """Save ``model`` (safetensors) and ``tokenizer`` into one HF directory; returns its path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -7,13 +7,24 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from lightning_tlt.models.tokenizer import CHARACTERS, SPECIAL_TOKENS, build_tokenizer, encode_prompt, vocabulary
+from lightning_tlt.models.tokenizer import (
+    CHARACTERS,
+    SPECIAL_TOKENS,
+    build_tokenizer,
+    encode_prompt,
+    vocabulary,
+)
 
 
 def test_vocabulary_is_fixed(tokenizer: PreTrainedTokenizerFast) -> None:
     # 7 specials + "\n" + 95 printable ASCII characters
     assert len(tokenizer) == len(SPECIAL_TOKENS) + len(CHARACTERS) == 7 + 1 + 95 == 103
-    assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id) == (0, 1, 2, 3)
+    assert (
+        tokenizer.pad_token_id,
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.unk_token_id,
+    ) == (0, 1, 2, 3)
     assert tokenizer.convert_tokens_to_ids(["\n", " ", "0", "A", "~"]) == [7, 8, 24, 41, 102]
     assert build_tokenizer().get_vocab() == tokenizer.get_vocab() == vocabulary()
 
@@ -58,7 +69,10 @@ def test_encode_prompt_rejects_bad_prompts(tokenizer: PreTrainedTokenizerFast, b
 
 def test_save_and_load_round_trip(tokenizer: PreTrainedTokenizerFast, tmp_path: Path) -> None:
     tokenizer.save_pretrained(tmp_path)
-    for loaded in (AutoTokenizer.from_pretrained(tmp_path), PreTrainedTokenizerFast.from_pretrained(tmp_path)):
+    for loaded in (
+        AutoTokenizer.from_pretrained(tmp_path),
+        PreTrainedTokenizerFast.from_pretrained(tmp_path),
+    ):
         assert loaded.get_vocab() == tokenizer.get_vocab()
         assert (loaded.pad_token, loaded.bos_token, loaded.eos_token) == ("<pad>", "<bos>", "<eos>")
         assert loaded.chat_template == tokenizer.chat_template

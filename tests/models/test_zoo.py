@@ -106,7 +106,13 @@ def test_bad_arguments(kwargs: dict, match: str) -> None:
 
 def test_bad_size_shape() -> None:
     with pytest.raises(ValueError, match="multiple of num_attention_heads"):
-        ZooSize(hidden_size=100, num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=1, intermediate_size=8)
+        ZooSize(
+            hidden_size=100,
+            num_hidden_layers=1,
+            num_attention_heads=3,
+            num_key_value_heads=1,
+            intermediate_size=8,
+        )
 
 
 def test_save_and_load_give_same_logits(
