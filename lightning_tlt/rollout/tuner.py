@@ -1,0 +1,242 @@
+"""How many tokens to draft: a bucketed epsilon-greedy bandit on measured tokens per second.
+
+The best draft length k depends on the batch: at batch 1 a verify forward of 9 tokens costs about
+what a plain step does, so long drafts pay; at batch 20 the forward is no longer free and short
+drafts win. TLT (arXiv 2511.16665) chooses per batch-size bucket with a "bucketed epsilon-greedy"
+bandit (epsilon 0.1, median reward over a sliding window, reward = accepted length x batch size /
+step time); with its defaults it is in effect the table batch 1 -> 48 verify tokens, 2-4 -> 32,
+5-20 -> 16, 21+ -> 8. `DraftLengthTuner` does the same for chain drafts over ``candidates``, with
+the static table (the longest candidate for the smallest bucket, shorter for larger ones) as the
+prior that exploitation falls back to before an arm has been measured.
+
+Timing never syncs the host with the device inside the decode loop: on CUDA, `start`/`stop` record
+an event pair and copy the emitted-token count into pinned host memory asynchronously; the pair is
+read (``elapsed_time``) only once ``end.query()`` says it has completed, at a later `choose` or
+`poll`. On CPU, `time.perf_counter` is used and read at once.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from statistics import median
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class _Timing:
+    """One step in flight (returned by `DraftLengthTuner.start`)."""
+
+    bucket: int
+    k: int
+    start_s: float = 0.0
+    start_event: Any = None  # torch.cuda.Event on CUDA
+    end_event: Any = None
+    slot: int = -1  # index into the pinned token counter ring
+    tokens: float = 0.0  # CPU: the count, known at once
+
+
+class DraftLengthTuner:
+    """Chooses the draft length k per batch bucket by epsilon-greedy on measured tokens/s.
+
+    Usage per speculative step::
+
+        k = tuner.choose(active_rows)
+        timing = tuner.start(k, active_rows)
+        ...  # draft k tokens and verify them
+        tuner.stop(timing, result.num_emitted.sum())   # a device tensor is fine: read lazily
+
+    Args:
+        candidates: the k values to choose among (deduplicated, sorted).
+        epsilon: probability of exploring a uniformly random candidate; 0 keeps the static table
+            (or the best measured arm).
+        buckets: upper bounds (inclusive) of the batch-size buckets; one more bucket holds larger
+            batches. TLT's ``(1, 4, 20)`` gives 1, 2-4, 5-20, 21+.
+        window: rewards kept per (bucket, k); the median of the window is the arm's value.
+        table: the static choice per bucket (one k per bucket, ``len(buckets) + 1`` entries);
+            ``None``: the longest candidate for bucket 0, the next shorter for each larger bucket.
+        seed: seeds the tuner's own ``torch.Generator`` when ``generator`` is not given.
+        generator: the source of exploration randomness (CPU generator).
+        device: where steps run; ``"cuda"`` devices are timed with CUDA events.
+        max_pending: most CUDA timings in flight (older ones are read, waiting if needed).
+    """
+
+    def __init__(
+        self,
+        candidates: Sequence[int] = (2, 4, 6, 8),
+        epsilon: float = 0.1,
+        buckets: Sequence[int] = (1, 4, 20),
+        window: int = 16,
+        table: Sequence[int] | None = None,
+        seed: int = 0,
+        generator: torch.Generator | None = None,
+        device: torch.device | str | None = None,
+        max_pending: int = 64,
+    ) -> None:
+        if not candidates or any(k < 1 for k in candidates):
+            raise ValueError(f"candidates must be non-empty positive draft lengths, got {tuple(candidates)!r}")
+        if not 0.0 <= epsilon <= 1.0:
+            raise ValueError(f"epsilon must be in [0, 1], got {epsilon!r}")
+        if any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"buckets must be strictly increasing positive batch sizes, got {tuple(buckets)!r}")
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window!r}")
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {max_pending!r}")
+        self.candidates: tuple[int, ...] = tuple(sorted(set(candidates)))
+        self.epsilon = epsilon
+        self.buckets: tuple[int, ...] = tuple(buckets)
+        self.window = window
+        num_buckets = len(self.buckets) + 1
+        if table is None:
+            longest_first = self.candidates[::-1]
+            table = [longest_first[min(i, len(longest_first) - 1)] for i in range(num_buckets)]
+        if len(table) != num_buckets or any(k not in self.candidates for k in table):
+            raise ValueError(
+                f"table must give one of the candidates {self.candidates} for each of the {num_buckets} "
+                f"buckets, got {tuple(table)!r}"
+            )
+        self.table: tuple[int, ...] = tuple(table)
+        self._generator = generator if generator is not None else torch.Generator().manual_seed(seed)
+        self._rewards: dict[tuple[int, int], deque[float]] = {}
+        self._counts: dict[tuple[int, int], int] = {}
+        self._cuda = device is not None and torch.device(device).type == "cuda"
+        self._pending: deque[_Timing] = deque()
+        self._host_counts: Tensor | None = None
+        self._next_slot = 0
+        self.max_pending = max_pending
+        if self._cuda:
+            self._host_counts = torch.zeros(max_pending, dtype=torch.float64, pin_memory=True)
+
+    # ---------------------------------------------------------------- choosing
+    def bucket(self, active_rows: int) -> int:
+        """Index of the bucket of a batch of ``active_rows`` rows."""
+        if active_rows < 1:
+            raise ValueError(f"active_rows must be >= 1, got {active_rows!r}")
+        return bisect.bisect_left(self.buckets, active_rows)
+
+    def value(self, bucket: int, k: int) -> float | None:
+        """Median measured tokens/s of arm ``k`` in ``bucket``; ``None`` before any measurement."""
+        rewards = self._rewards.get((bucket, k))
+        return median(rewards) if rewards else None
+
+    def best(self, active_rows: int) -> int:
+        """The exploitation choice: the best measured arm, or the static table before any."""
+        bucket = self.bucket(active_rows)
+        best_k, best_v = self.table[bucket], self.value(bucket, self.table[bucket])
+        for k in self.candidates:
+            v = self.value(bucket, k)
+            if v is not None and (best_v is None or v > best_v):
+                best_k, best_v = k, v
+        return best_k
+
+    def choose(self, active_rows: int) -> int:
+        """The k for the next speculative step of a batch of ``active_rows`` rows."""
+        self.poll()
+        if self.epsilon > 0.0:
+            draw = torch.rand((), generator=self._generator)
+            if float(draw) < self.epsilon:
+                index = int(torch.randint(len(self.candidates), (), generator=self._generator))
+                return self.candidates[index]
+        return self.best(active_rows)
+
+    # ---------------------------------------------------------------- measuring
+    def record(self, active_rows: int, k: int, emitted_tokens: float, seconds: float) -> None:
+        """Add one measurement: all rows emitted ``emitted_tokens`` in ``seconds`` drafting k each."""
+        if k not in self.candidates:
+            raise ValueError(f"k must be one of the candidates {self.candidates}, got {k!r}")
+        if not seconds > 0.0:
+            raise ValueError(f"seconds must be > 0, got {seconds!r}")
+        self._add(self.bucket(active_rows), k, float(emitted_tokens) / seconds)
+
+    def _add(self, bucket: int, k: int, reward: float) -> None:
+        key = (bucket, k)
+        self._rewards.setdefault(key, deque(maxlen=self.window)).append(reward)
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    def start(self, k: int, active_rows: int) -> _Timing:
+        """Begin timing a step that drafts ``k`` tokens for ``active_rows`` rows."""
+        if k not in self.candidates:
+            raise ValueError(f"k must be one of the candidates {self.candidates}, got {k!r}")
+        timing = _Timing(bucket=self.bucket(active_rows), k=k)
+        if self._cuda:
+            timing.start_event = torch.cuda.Event(enable_timing=True)
+            timing.start_event.record()
+        else:
+            timing.start_s = time.perf_counter()
+        return timing
+
+    def stop(self, timing: _Timing, emitted_tokens: Tensor | int | float) -> None:
+        """End the step begun by `start`; ``emitted_tokens`` (all rows) may be a device tensor."""
+        if not self._cuda:
+            seconds = time.perf_counter() - timing.start_s
+            count = float(emitted_tokens.sum()) if isinstance(emitted_tokens, Tensor) else float(emitted_tokens)
+            self._add(timing.bucket, timing.k, count / max(seconds, 1e-9))
+            return
+        assert self._host_counts is not None
+        if len(self._pending) >= self.max_pending:
+            self._harvest(self._pending.popleft(), wait=True)
+        timing.slot = self._next_slot
+        self._next_slot = (self._next_slot + 1) % self.max_pending
+        if isinstance(emitted_tokens, Tensor):
+            # device -> pinned host copy, asynchronous: read after end_event completes
+            self._host_counts[timing.slot].copy_(emitted_tokens.sum().to(torch.float64), non_blocking=True)
+        else:
+            self._host_counts[timing.slot] = float(emitted_tokens)
+        timing.end_event = torch.cuda.Event(enable_timing=True)
+        timing.end_event.record()
+        self._pending.append(timing)
+
+    def _harvest(self, timing: _Timing, wait: bool = False) -> None:
+        assert self._host_counts is not None
+        if wait:
+            timing.end_event.synchronize()
+        ms = timing.start_event.elapsed_time(timing.end_event)
+        self._add(timing.bucket, timing.k, float(self._host_counts[timing.slot]) / max(ms / 1000.0, 1e-9))
+
+    def poll(self) -> int:
+        """Read the CUDA timings that have completed (in order, without waiting); returns how many."""
+        read = 0
+        while self._pending and self._pending[0].end_event.query():
+            self._harvest(self._pending.popleft())
+            read += 1
+        return read
+
+    def flush(self) -> None:
+        """Wait for and read every timing in flight (at the end of a ``generate`` call)."""
+        while self._pending:
+            self._harvest(self._pending.popleft(), wait=True)
+
+    # ---------------------------------------------------------------- checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """Measured rewards per (bucket, k), counts and the exploration generator's state."""
+        self.flush()
+        return {
+            "candidates": self.candidates,
+            "buckets": self.buckets,
+            "rewards": {key: list(values) for key, values in self._rewards.items()},
+            "counts": dict(self._counts),
+            "generator": self._generator.get_state(),
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if tuple(state_dict["candidates"]) != self.candidates or tuple(state_dict["buckets"]) != self.buckets:
+            raise ValueError(
+                f"state was saved for candidates {tuple(state_dict['candidates'])} and buckets "
+                f"{tuple(state_dict['buckets'])}, this tuner has {self.candidates} and {self.buckets}"
+            )
+        self._rewards = {
+            tuple(key): deque(values, maxlen=self.window) for key, values in state_dict["rewards"].items()
+        }
+        self._counts = {tuple(key): int(n) for key, n in state_dict["counts"].items()}
+        self._generator.set_state(state_dict["generator"])
+
+    def summary(self) -> dict[str, float]:
+        """Flat figures for logging: the median tokens/s of each measured (bucket, k) arm."""
+        return {f"tuner/b{b}_k{k}_tok_s": median(v) for (b, k), v in sorted(self._rewards.items()) if v}

@@ -1,0 +1,145 @@
+"""AdaptiveGate hysteresis and DraftLengthTuner choice, convergence, timing and state."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from lightning_tlt.rollout.gate import AdaptiveGate
+from lightning_tlt.rollout.tuner import DraftLengthTuner
+
+
+def test_gate_turns_on_after_hysteresis_and_off_after_the_same_count() -> None:
+    gate = AdaptiveGate(threshold=4, hysteresis_steps=3)
+    rows = [8, 8, 4, 3, 5, 4, 4, 4, 3, 9, 9, 2, 9, 9, 9, 9]
+    got = [gate.update(r) for r in rows]
+    #        8      8      4      3      5 (streak reset) 4      4      4 -> on
+    want = [False, False, False, False, False, False, False, True,
+            # 3    9     9     2 (reset) 9     9     9 -> off  9
+            True, True, True, True, True, True, False, False]  # fmt: skip
+    assert got == want
+    assert gate.switches == 2 and not gate.on
+
+
+def test_gate_does_not_flap_around_the_threshold() -> None:
+    gate = AdaptiveGate(threshold=32, hysteresis_steps=10)
+    for _ in range(10):
+        gate.update(32)
+    assert gate.on
+    # alternating just above and at the threshold never builds a streak of 10
+    for i in range(100):
+        assert gate.update(33 if i % 2 == 0 else 32)
+    assert gate.switches == 1
+
+
+def test_gate_hard_limit_reset_and_state() -> None:
+    gate = AdaptiveGate(threshold=4, hysteresis_steps=2, hard_limit=8)
+    assert [gate.update(r) for r in (2, 2, 6, 9)] == [False, True, True, False]  # 9 > hard_limit: off at once
+    gate.update(1)
+    state = gate.state_dict()
+    assert state == {"on": False, "streak": 1, "switches": 2}
+    other = AdaptiveGate(threshold=4, hysteresis_steps=2, hard_limit=8)
+    other.load_state_dict(state)
+    assert other.update(1) and gate.update(1)  # both complete the streak on the same step
+    gate.reset()
+    assert not gate.on and gate.update(1) is False
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"threshold": 0}, "threshold must be >= 1"),
+        ({"hysteresis_steps": 0}, "hysteresis_steps must be >= 1"),
+        ({"threshold": 8, "hard_limit": 4}, "hard_limit must be >= threshold"),
+    ],
+)
+def test_gate_bad_config(kwargs: dict[str, int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AdaptiveGate(**kwargs)
+
+
+def test_tuner_static_table_and_buckets() -> None:
+    tuner = DraftLengthTuner(candidates=(2, 4, 6, 8), epsilon=0.0, buckets=(1, 4, 20))
+    assert [tuner.bucket(r) for r in (1, 2, 4, 5, 20, 21, 500)] == [0, 1, 1, 2, 2, 3, 3]
+    # TLT's shape: batch 1 -> longest drafts, larger buckets -> shorter
+    assert [tuner.choose(r) for r in (1, 3, 10, 64)] == [8, 6, 4, 2]
+    custom = DraftLengthTuner(candidates=(1, 3), buckets=(2,), table=(3, 1), epsilon=0.0)
+    assert custom.choose(1) == 3 and custom.choose(7) == 1
+
+
+def _true_rate(bucket: int, k: int) -> float:
+    # tokens/s peaks at a different k per bucket: 6 for small batches, 2 for large ones
+    best = {0: 6, 1: 6, 2: 2, 3: 2}[bucket]
+    return 1000.0 - 60.0 * abs(k - best)
+
+
+def test_tuner_converges_to_the_best_arm_per_bucket() -> None:
+    tuner = DraftLengthTuner(candidates=(2, 4, 6, 8), epsilon=0.2, buckets=(1, 4, 20), seed=3)
+    noise = torch.Generator().manual_seed(4)
+    choices: dict[int, list[int]] = {1: [], 30: []}
+    for step in range(1200):
+        rows = 1 if step % 2 == 0 else 30
+        k = tuner.choose(rows)
+        choices[rows].append(k)
+        seconds = 0.01
+        rate = _true_rate(tuner.bucket(rows), k) * (1 + 0.1 * float(torch.randn((), generator=noise)))
+        tuner.record(rows, k, rate * seconds, seconds)
+    assert tuner.best(1) == 6 and tuner.best(30) == 2
+    # after convergence the best arm is chosen about 1 - epsilon + epsilon / 4 = 85 % of the time
+    for rows, best in ((1, 6), (30, 2)):
+        recent = choices[rows][-300:]
+        assert recent.count(best) / len(recent) > 0.75
+    # exploration did try every arm
+    assert all(tuner.value(0, k) is not None for k in (2, 4, 6, 8))
+
+
+def test_tuner_state_round_trip_continues_identically() -> None:
+    a = DraftLengthTuner(epsilon=0.5, seed=7)
+    for _ in range(40):
+        k = a.choose(3)
+        a.record(3, k, _true_rate(1, k) * 0.01, 0.01)
+    state = a.state_dict()
+    b = DraftLengthTuner(epsilon=0.5, seed=123)  # different seed: the state must override it
+    b.load_state_dict(state)
+    assert b.summary() == a.summary()
+    assert [a.choose(3) for _ in range(50)] == [b.choose(3) for _ in range(50)]
+    with pytest.raises(ValueError, match="state was saved for candidates"):
+        DraftLengthTuner(candidates=(1, 2)).load_state_dict(state)
+
+
+def test_tuner_start_stop_times_on_cpu() -> None:
+    tuner = DraftLengthTuner(candidates=(2, 4), epsilon=0.0, buckets=(1,))
+    for k, pause in ((2, 0.002), (4, 0.02)):
+        timing = tuner.start(k, 1)
+        time.sleep(pause)
+        tuner.stop(timing, torch.tensor([3, 2]))  # 5 tokens over the rows
+    fast, slow = tuner.value(0, 2), tuner.value(0, 4)
+    assert fast is not None and slow is not None
+    assert 5 / 0.02 * 0.5 < slow < 5 / 0.02 * 1.01  # about 250 tok/s (sleep overshoots, never undershoots)
+    assert fast > 2 * slow
+    assert tuner.best(1) == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"candidates": ()}, "candidates must be non-empty"),
+        ({"epsilon": 1.5}, "epsilon must be in"),
+        ({"buckets": (4, 1)}, "buckets must be strictly increasing"),
+        ({"table": (8, 8)}, "table must give one of the candidates"),
+        ({"window": 0}, "window must be >= 1"),
+    ],
+)
+def test_tuner_bad_config(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DraftLengthTuner(**kwargs)  # type: ignore[arg-type]
+
+
+def test_tuner_bad_record() -> None:
+    tuner = DraftLengthTuner()
+    with pytest.raises(ValueError, match="k must be one of the candidates"):
+        tuner.record(1, 3, 10, 0.1)
+    with pytest.raises(ValueError, match="active_rows must be >= 1"):
+        tuner.choose(0)
