@@ -81,3 +81,20 @@ def test_save_and_load_round_trip(tokenizer: PreTrainedTokenizerFast, tmp_path: 
         assert loaded.decode(loaded(text, add_special_tokens=False)["input_ids"]) == text
         messages = [{"role": "user", "content": "hi"}]
         assert encode_prompt(loaded, messages) == encode_prompt(tokenizer, messages)
+
+
+def test_round_trip_on_every_task_text(tokenizer: PreTrainedTokenizerFast) -> None:
+    from lightning_tlt.data.tasks import TASKS
+
+    texts = []
+    for task in TASKS.values():
+        for difficulty in range(1, task.max_difficulty + 1):
+            for p in task.problems(200, difficulty=difficulty, seed=1):
+                texts += [p.prompt, p.solution, p.answer]
+    used = set("".join(texts))
+    assert used <= set(CHARACTERS)
+    assert {"\n", " ", "#", "=", "*", "+", "-", "/", "(", ")"} <= used
+    batch = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    for text, ids in zip(texts, batch):
+        assert len(ids) == len(text) and tokenizer.unk_token_id not in ids
+        assert tokenizer.decode(ids) == text
