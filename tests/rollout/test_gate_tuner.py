@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_tlt.rollout.gate import AdaptiveGate
+from lightning_tlt.rollout.spec_metrics import SpeculationMetrics
 from lightning_tlt.rollout.tuner import DraftLengthTuner
 
 
@@ -143,3 +144,34 @@ def test_tuner_bad_record() -> None:
         tuner.record(1, 3, 10, 0.1)
     with pytest.raises(ValueError, match="active_rows must be >= 1"):
         tuner.choose(0)
+
+
+# ----------------------------------------------------------------------------- speculation metrics
+def test_speculation_metrics_hand_computed() -> None:
+    metrics = SpeculationMetrics(max_draft_tokens=4)
+    # step 1: rows drafted (4, 4, 2) and accepted (4, 1, 2); step 2: drafts (3, 0), accepted (0, 0)
+    metrics.update_verify(torch.tensor([4, 1, 2]), torch.tensor([4, 4, 2]))
+    metrics.update_verify(torch.tensor([0, 0]), torch.tensor([3, 0]))
+    metrics.update_step(True, "speculative", torch.tensor([5, 2, 3]), 0.5)
+    metrics.update_step(True, "speculative", 2, 0.5)
+    metrics.update_step(False, "decode", 4, 0.25)
+    metrics.update_step(False, "decode", 4, 0.25)
+    metrics.update_step(False, "prefill", 12, 0.1)  # not a decode step: not in the share
+    stats = metrics.stats()
+    # emitted per row-step: 5, 2, 3, 1, 1 -> 12 / 5
+    assert stats["spec/acceptance_length"] == pytest.approx(12 / 5)
+    # position 0 reached by rows with a draft there: (4,4,2 drafts) + (3 drafts) = 4 rows; accepted by 3
+    assert stats["spec/acceptance_rate_pos0"] == pytest.approx(3 / 4)
+    # position 1 reached by rows accepted >= 1 with lens > 1: rows (4,4) (4,1) (2,2) -> 3; accepted > 1: 2
+    assert stats["spec/acceptance_rate_pos1"] == pytest.approx(2 / 3)
+    # position 2: reached by (4,4) only (row (2,2) has no draft 2); accepted
+    assert stats["spec/acceptance_rate_pos2"] == pytest.approx(1.0)
+    assert stats["spec/acceptance_rate_pos3"] == pytest.approx(1.0)
+    assert stats["spec/speculative_step_share"] == pytest.approx(0.5)
+    assert stats["tokens_per_s/speculative"] == pytest.approx(12 / 1.0)
+    assert stats["tokens_per_s/decode"] == pytest.approx(8 / 0.5)
+    assert stats["tokens_per_s/prefill"] == pytest.approx(120.0)
+    metrics.reset()
+    assert metrics.stats() == {}
+    with pytest.raises(ValueError, match="phase must be one of"):
+        metrics.update_step(False, "done", 1, 0.1)
