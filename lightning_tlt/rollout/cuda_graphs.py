@@ -1,0 +1,242 @@
+"""`CUDAGraphProfileCache`: captured CUDA graphs keyed by a step profile, with bucketing and LRU.
+
+A step of the engine (a plain decode, a speculative verify of ``k + 1`` tokens a row, a draft
+step) has static shapes once its batch is padded to a *bucket*; each (phase, bucket, tokens per
+row, extra) profile is captured once and replayed thereafter (vLLM's and TLT's recipe: one shared
+memory pool, capture from the largest bucket down so smaller graphs reuse its memory). Without
+CUDA, or when a capture fails, the step runs eagerly, with a warning, never a crash.
+
+The bookkeeping (bucketing, keys, LRU eviction under a memory budget, statistics, fallback) does
+not depend on CUDA: a ``backend`` object does the capturing, so it can be exercised on the CPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
+"""Batch sizes graphs are captured for; a batch is padded up to the nearest one."""
+
+
+@dataclass(frozen=True, order=True)
+class GraphProfile:
+    """The key of a captured graph."""
+
+    phase: str
+    """"decode", "verify" or "draft"."""
+    batch: int
+    """The batch bucket (rows, padded)."""
+    tokens_per_row: int = 1
+    """Tokens each row feeds (1 for decode, k + 1 for verify)."""
+    extra: tuple[Any, ...] = ()
+    """Anything else the captured code depends on (sampling settings, a weight-layout version)."""
+
+
+class CapturedGraph(Protocol):
+    """What a backend returns for one capture."""
+
+    nbytes: int
+
+    def replay(self) -> None: ...
+
+
+class GraphBackend(Protocol):
+    """Captures a step function; `CUDAGraphBackend` on CUDA, anything with this shape in tests."""
+
+    def capture(self, fn: Callable[[], None]) -> CapturedGraph: ...
+
+
+@dataclass
+class _CudaCaptured:
+    graph: torch.cuda.CUDAGraph
+    nbytes: int
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class CUDAGraphBackend:
+    """Captures into ``torch.cuda.CUDAGraph`` objects that share one memory pool.
+
+    Args:
+        device: the CUDA device.
+        generators: device generators the captured code draws from; each is registered with every
+            graph so that a replay draws fresh numbers from its current state.
+        warmup_iters: eager runs (on a side stream) before a capture, as PyTorch requires.
+    """
+
+    def __init__(
+        self, device: torch.device, generators: Sequence[torch.Generator] = (), warmup_iters: int = 2
+    ) -> None:
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.generators = list(generators)
+        self.warmup_iters = warmup_iters
+
+    def capture(self, fn: Callable[[], None]) -> CapturedGraph:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(self.warmup_iters):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        graph = torch.cuda.CUDAGraph()
+        for gen in self.generators:
+            graph.register_generator_state(gen)
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            fn()
+        torch.cuda.synchronize(self.device)
+        return _CudaCaptured(graph, max(0, torch.cuda.memory_reserved(self.device) - before))
+
+
+@dataclass
+class GraphStats:
+    """Counters of a `CUDAGraphProfileCache`."""
+
+    captures: int = 0
+    replays: int = 0
+    hits: int = 0
+    misses: int = 0
+    eager_runs: int = 0
+    failures: int = 0
+    evictions: int = 0
+    bytes: int = 0
+    capture_time_s: float = 0.0
+    captured: list[GraphProfile] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "captures": self.captures, "replays": self.replays, "hits": self.hits, "misses": self.misses,
+            "eager_runs": self.eager_runs, "failures": self.failures, "evictions": self.evictions,
+            "bytes": self.bytes, "capture_time_s": self.capture_time_s,
+        }
+
+
+class CUDAGraphProfileCache:
+    """Graphs keyed by `GraphProfile`, batches padded to buckets, LRU-evicted under a memory budget.
+
+    Args:
+        backend: what captures; ``None`` runs every step eagerly (no CUDA, or graphs turned off).
+        buckets: allowed batch sizes, ascending; `bucket` pads a batch up to the nearest one.
+        max_batch: the largest batch served; buckets above it are dropped and it is added.
+        memory_budget_bytes: evict least recently used graphs while their bytes exceed this.
+    """
+
+    def __init__(
+        self,
+        backend: GraphBackend | None = None,
+        *,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+        max_batch: int | None = None,
+        memory_budget_bytes: int | None = None,
+    ) -> None:
+        if not buckets or any(b < 1 for b in buckets):
+            raise ValueError(f"buckets must be non-empty positive batch sizes, got {tuple(buckets)!r}")
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch!r}")
+        if memory_budget_bytes is not None and memory_budget_bytes < 0:
+            raise ValueError(f"memory_budget_bytes must be >= 0 or None, got {memory_budget_bytes!r}")
+        b = sorted(set(buckets))
+        if max_batch is not None:
+            b = [x for x in b if x < max_batch] + [max_batch]
+        self.buckets: tuple[int, ...] = tuple(b)
+        self.backend = backend
+        self.memory_budget_bytes = memory_budget_bytes
+        self.stats = GraphStats()
+        self._graphs: OrderedDict[GraphProfile, CapturedGraph] = OrderedDict()
+        self._failed: set[GraphProfile] = set()
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend is not None
+
+    def bucket(self, batch: int) -> int:
+        """The smallest bucket ``>= batch``."""
+        if not 1 <= batch <= self.buckets[-1]:
+            raise ValueError(f"batch must be in [1, {self.buckets[-1]}], got {batch!r}")
+        return self.buckets[bisect.bisect_left(self.buckets, batch)]
+
+    def __contains__(self, profile: GraphProfile) -> bool:
+        return profile in self._graphs
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, profile: GraphProfile, fn: Callable[[], None], *, capture: bool = True) -> None:
+        """Replay ``profile``'s graph, capturing ``fn`` first on a miss (when ``capture``).
+
+        ``fn`` must work on static buffers only (its inputs and outputs live in tensors that
+        outlast the graph). A failed capture is remembered: that profile then runs eagerly.
+        """
+        graph = self._graphs.get(profile)
+        if graph is not None:
+            self._graphs.move_to_end(profile)
+            self.stats.hits += 1
+            self.stats.replays += 1
+            graph.replay()
+            return
+        self.stats.misses += 1
+        if self.backend is None or not capture or profile in self._failed:
+            self.stats.eager_runs += 1
+            fn()
+            return
+        graph = self._capture(profile, fn)
+        if graph is None:
+            self.stats.eager_runs += 1
+            fn()
+        else:
+            self.stats.replays += 1
+            graph.replay()
+
+    def capture(self, profiles: Sequence[GraphProfile], fn_for: Callable[[GraphProfile], Callable[[], None]]) -> None:
+        """Capture ``profiles`` ahead of use, largest batch first (so smaller graphs reuse its pool)."""
+        if self.backend is None:
+            return
+        for profile in sorted(profiles, key=lambda p: (-p.batch, p)):
+            if profile not in self._graphs and profile not in self._failed:
+                self._capture(profile, fn_for(profile))
+
+    def _capture(self, profile: GraphProfile, fn: Callable[[], None]) -> CapturedGraph | None:
+        assert self.backend is not None
+        start = time.perf_counter()
+        try:
+            graph = self.backend.capture(fn)
+        except Exception as err:  # noqa: BLE001 - any capture failure means: run this profile eagerly
+            self._failed.add(profile)
+            self.stats.failures += 1
+            warnings.warn(f"CUDA graph capture of {profile} failed ({err!r}); running it eagerly", stacklevel=3)
+            return None
+        self.stats.capture_time_s += time.perf_counter() - start
+        self.stats.captures += 1
+        self.stats.captured.append(profile)
+        self._graphs[profile] = graph
+        self.stats.bytes += graph.nbytes
+        self._evict(keep=profile)
+        return graph
+
+    def _evict(self, keep: GraphProfile) -> None:
+        if self.memory_budget_bytes is None:
+            return
+        while self.stats.bytes > self.memory_budget_bytes and len(self._graphs) > 1:
+            oldest = next(iter(self._graphs))
+            if oldest == keep:
+                break
+            graph = self._graphs.pop(oldest)
+            self.stats.bytes -= graph.nbytes
+            self.stats.evictions += 1
+
+    def clear(self) -> None:
+        """Drop every graph (e.g. after the policy's parameters were replaced by new tensors)."""
+        self._graphs.clear()
+        self._failed.clear()
+        self.stats.bytes = 0

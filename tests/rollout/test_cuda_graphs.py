@@ -1,0 +1,167 @@
+"""CUDAGraphProfileCache bookkeeping on the CPU: bucketing, keys, capture order, LRU, stats, fallback."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from lightning_tlt.models.zoo import build_model
+from lightning_tlt.rollout.cuda_graphs import DEFAULT_BUCKETS, CUDAGraphProfileCache, GraphProfile
+from lightning_tlt.rollout.engine import RolloutEngine
+from lightning_tlt.rollout.types import SamplingConfig
+
+
+@dataclass
+class _Replayable:
+    """An eager stand-in for a captured graph: replay re-runs the captured function."""
+
+    fn: Callable[[], None]
+    nbytes: int
+
+    def replay(self) -> None:
+        self.fn()
+
+
+class RecordingBackend:
+    """Captures by keeping the function; records the capture order; can be told to fail."""
+
+    def __init__(self, nbytes: int = 100, fail_batches: tuple[int, ...] = ()) -> None:
+        self.nbytes = nbytes
+        self.fail_batches = fail_batches
+        self.order: list[int] = []
+        self.current_batch = 0
+
+    def capture(self, fn: Callable[[], None]) -> _Replayable:
+        self.order.append(self.current_batch)
+        if self.current_batch in self.fail_batches:
+            raise RuntimeError("capture failed")
+        return _Replayable(fn, self.nbytes)
+
+
+def test_bucketing() -> None:
+    cache = CUDAGraphProfileCache(None, max_batch=100)
+    assert cache.buckets == (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100)
+    assert [cache.bucket(n) for n in (1, 2, 3, 5, 9, 17, 33, 65, 97, 100)] == [1, 2, 4, 8, 16, 24, 48, 96, 100, 100]
+    with pytest.raises(ValueError, match=r"batch must be in \[1, 100\], got 101"):
+        cache.bucket(101)
+    with pytest.raises(ValueError, match=r"batch must be in \[1, 100\], got 0"):
+        cache.bucket(0)
+    assert CUDAGraphProfileCache(None).buckets == DEFAULT_BUCKETS
+    with pytest.raises(ValueError, match="buckets must be non-empty"):
+        CUDAGraphProfileCache(None, buckets=())
+    with pytest.raises(ValueError, match="memory_budget_bytes must be >= 0 or None, got -1"):
+        CUDAGraphProfileCache(None, memory_budget_bytes=-1)
+
+
+def test_profile_keys_hits_and_misses() -> None:
+    backend = RecordingBackend()
+    cache = CUDAGraphProfileCache(backend, max_batch=8)
+    calls: list[str] = []
+    decode4 = GraphProfile("decode", 4, 1, ("greedy",))
+    verify4 = GraphProfile("verify", 4, 5)
+    backend.current_batch = 4
+    cache.run(decode4, lambda: calls.append("d4"))
+    cache.run(decode4, lambda: calls.append("other"))  # a hit replays the captured function
+    cache.run(verify4, lambda: calls.append("v4"))
+    cache.run(GraphProfile("decode", 4, 1, ("t=1.0",)), lambda: calls.append("d4b"))
+    assert calls == ["d4", "d4", "v4", "d4b"]
+    s = cache.stats
+    assert (s.captures, s.hits, s.misses, s.replays, s.eager_runs) == (3, 1, 3, 4, 0)
+    assert s.bytes == 300 and len(cache) == 3
+    assert decode4 in cache and GraphProfile("decode", 8, 1, ("greedy",)) not in cache
+
+
+def test_capture_largest_first() -> None:
+    backend = RecordingBackend()
+    cache = CUDAGraphProfileCache(backend, max_batch=16)
+    profiles = [GraphProfile("decode", b) for b in (1, 4, 16, 2, 8)]
+
+    def fn_for(p: GraphProfile) -> Callable[[], None]:
+        backend.current_batch = p.batch
+        return lambda: None
+
+    cache.capture(profiles, fn_for)
+    assert backend.order == [16, 8, 4, 2, 1]
+    assert cache.stats.captured == [GraphProfile("decode", b) for b in (16, 8, 4, 2, 1)]
+    cache.capture(profiles, fn_for)  # all there: nothing recaptured
+    assert cache.stats.captures == 5
+
+
+def test_lru_eviction_under_budget() -> None:
+    backend = RecordingBackend(nbytes=100)
+    cache = CUDAGraphProfileCache(backend, max_batch=8, memory_budget_bytes=250)
+    a, b, c = (GraphProfile("decode", n) for n in (1, 2, 4))
+    cache.run(a, lambda: None)
+    cache.run(b, lambda: None)
+    cache.run(a, lambda: None)  # a is now more recently used than b
+    cache.run(c, lambda: None)  # 300 bytes > 250: evict the least recently used, b
+    assert a in cache and c in cache and b not in cache
+    assert cache.stats.evictions == 1 and cache.stats.bytes == 200
+    cache.clear()
+    assert len(cache) == 0 and cache.stats.bytes == 0
+
+
+def test_failed_capture_falls_back_to_eager_with_warning() -> None:
+    backend = RecordingBackend(fail_batches=(2,))
+    cache = CUDAGraphProfileCache(backend, max_batch=4)
+    calls: list[int] = []
+    backend.current_batch = 2
+    with pytest.warns(UserWarning, match="capture of .*decode.* failed"):
+        cache.run(GraphProfile("decode", 2), lambda: calls.append(2))
+    cache.run(GraphProfile("decode", 2), lambda: calls.append(2))  # remembered: no second attempt
+    assert calls == [2, 2]
+    assert cache.stats.failures == 1 and cache.stats.eager_runs == 2 and cache.stats.captures == 0
+    assert backend.order == [2]
+
+
+def test_no_backend_runs_eagerly() -> None:
+    cache = CUDAGraphProfileCache(None, max_batch=4)
+    calls: list[int] = []
+    for _ in range(3):
+        cache.run(GraphProfile("decode", 4), lambda: calls.append(1))
+    assert calls == [1, 1, 1] and not cache.enabled
+    assert cache.stats.eager_runs == 3 and cache.stats.captures == 0 and cache.stats.replays == 0
+
+
+def test_engine_without_cuda_warns_and_runs_eagerly() -> None:
+    model = build_model("qwen2", "tiny", seed=0)
+    engine = RolloutEngine(model, max_seq_len=16, max_batch_size=2, use_cuda_graphs=True, compile=False)
+    with pytest.warns(UserWarning, match="use_cuda_graphs=True without CUDA"):
+        out = engine.generate([[4, 5]], SamplingConfig(temperature=0.0, max_new_tokens=3, stop_token_ids=[]))
+    ref = model.generate(torch.tensor([[4, 5]]), do_sample=False, max_new_tokens=3, eos_token_id=None, pad_token_id=0)
+    assert out.completion_ids[0] == ref[0, 2:].tolist()
+    assert engine.graph_stats["eager_runs"] == 3 and engine.graph_stats["captures"] == 0
+
+
+class WarmupBackend:
+    """Runs the step twice at capture, as the CUDA backend's warm-up does, then replays eagerly."""
+
+    def __init__(self) -> None:
+        self.captures = 0
+
+    def capture(self, fn: Callable[[], None]) -> _Replayable:
+        fn()
+        fn()
+        self.captures += 1
+        return _Replayable(fn, 10)
+
+
+def test_engine_graph_warmup_leaves_no_trace() -> None:
+    """Capturing mid-generation (with warm-up runs of the live step) changes no sampled token."""
+    model = build_model("llama", "tiny", seed=0)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=8, stop_token_ids=[])
+    prompts = [[4, 5], [6, 7, 8], [9], [10, 11], [12, 13, 14]]
+    plain = RolloutEngine(model, max_seq_len=16, max_batch_size=4)
+    ref = plain.generate(prompts, cfg, num_samples=2, generator=torch.Generator().manual_seed(7))
+    graphed = RolloutEngine(model, max_seq_len=16, max_batch_size=4)
+    graphed._ensure_buffers()
+    backend = WarmupBackend()
+    graphed._graphs = CUDAGraphProfileCache(backend, max_batch=4)
+    out = graphed.generate(prompts, cfg, num_samples=2, generator=torch.Generator().manual_seed(7))
+    assert out.completion_ids == ref.completion_ids
+    assert out.logprobs == ref.logprobs
+    assert backend.captures == 2  # waves of 4, 4 and 2 rows: buckets 4 and 2
+    assert graphed.graph_stats["hits"] > 0
