@@ -1,0 +1,127 @@
+"""`RolloutMetricsCallback`: rollout timing, the long tail, and a one-line summary per step.
+
+The RL modules already log TRL's metrics of each batch (``reward``, ``completions/*``, ``kl``,
+...); this callback adds what only the engine's step events show: how the rollout's time splits
+between the full batch and its long tail, and TRL's ``step_time``. It also prints a readable line
+every ``print_every_n_steps`` (reward, lengths, throughput, speculation).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from lightning_tlt.rollout.types import StepEvent
+
+
+class RolloutMetricsCallback(Callback):
+    """Log engine-level rollout metrics and print a summary line.
+
+    Args:
+        tail_fraction: a decode step is in the "tail" when at most this fraction of the rollout's
+            peak rows are still active (the stall TLT trains its drafter in).
+        print_every_n_steps: print a summary every this many RL steps; 0 never prints.
+
+    Logged (per RL step): ``step_time`` (TRL's name), ``rollout/tail_time_fraction``,
+    ``rollout/tail_step_fraction``, ``rollout/peak_rows``.
+    """
+
+    def __init__(self, tail_fraction: float = 0.25, print_every_n_steps: int = 1) -> None:
+        if not 0.0 < tail_fraction < 1.0:
+            raise ValueError(f"tail_fraction must be in (0, 1), got {tail_fraction!r}")
+        if print_every_n_steps < 0:
+            raise ValueError(f"print_every_n_steps must be >= 0, got {print_every_n_steps!r}")
+        self.tail_fraction = tail_fraction
+        self.print_every_n_steps = print_every_n_steps
+        self._events: list[StepEvent] = []
+        self._last_end: float | None = None
+        self._state = {"printed": 0}
+        self._datamodule: Any = None
+
+    def _on_event(self, event: StepEvent) -> None:
+        if event.phase != "done":
+            self._events.append(event)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        dm = trainer.datamodule
+        if dm is not None and hasattr(dm, "add_listener"):
+            dm.add_listener(self._on_event)
+            self._datamodule = dm
+        self._last_end = time.perf_counter()
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._datamodule is not None:
+            self._datamodule.remove_listener(self._on_event)
+            self._datamodule = None
+
+    def tail_metrics(self) -> dict[str, float]:
+        """Share of decode steps and of decode time spent with few rows active, since the last call."""
+        decode = [e for e in self._events if e.phase in ("decode", "speculative")]
+        self._events = []
+        if not decode:
+            return {}
+        peak = max(e.active_rows for e in decode) or 1
+        tail = [e for e in decode if e.active_rows <= self.tail_fraction * peak]
+        total_time = sum(e.step_time_s for e in decode) or 1e-12
+        return {
+            "rollout/peak_rows": float(peak),
+            "rollout/tail_step_fraction": len(tail) / len(decode),
+            "rollout/tail_time_fraction": sum(e.step_time_s for e in tail) / total_time,
+        }
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        now = time.perf_counter()
+        metrics = self.tail_metrics()
+        if self._last_end is not None:
+            metrics["step_time"] = now - self._last_end
+        self._last_end = now
+        size = len(batch) if hasattr(batch, "__len__") else 1
+        for name, value in metrics.items():
+            pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=size)
+        if self.print_every_n_steps and (trainer.global_step // max(1, _steps_per_batch(pl_module))) % self.print_every_n_steps == 0:
+            rank_zero_info(summary_line(trainer.global_step, getattr(batch, "metrics", {}), metrics))
+            self._state["printed"] += 1
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self._state)
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._state.update(state_dict)
+
+
+def _steps_per_batch(pl_module: pl.LightningModule) -> int:
+    fn = getattr(pl_module, "optimizer_steps_per_batch", None)
+    return int(fn()) if fn is not None else 1
+
+
+def summary_line(step: int, m: dict[str, float], extra: dict[str, float]) -> str:
+    """``step 12 | reward 0.41 ± 0.30 | len 37.5 (clipped 3%) | 1,234 tok/s | spec 40% accept 2.3``."""
+    parts = [f"step {step}"]
+    if "reward" in m:
+        parts.append(f"reward {m['reward']:.3f} ± {m.get('reward_std', 0.0):.3f}")
+    if "completions/mean_length" in m:
+        parts.append(
+            f"len {m['completions/mean_length']:.1f} (clipped {100 * m.get('completions/clipped_ratio', 0.0):.0f}%)"
+        )
+    if "rollout/tokens_per_s" in m:
+        parts.append(f"{m['rollout/tokens_per_s']:,.0f} tok/s")
+    if "spec/fraction" in m:
+        spec = f"spec {100 * m['spec/fraction']:.0f}%"
+        if "spec/accept_len" in m:
+            spec += f" accept {m['spec/accept_len']:.2f}"
+        parts.append(spec)
+    if "step_time" in extra:
+        parts.append(f"{extra['step_time']:.2f} s")
+    return " | ".join(parts)

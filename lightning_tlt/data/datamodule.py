@@ -1,0 +1,503 @@
+"""`RolloutDataModule`: each training batch is generated, scored and turned into advantages on demand.
+
+The data of on-policy RL is made by the policy being trained, so this datamodule does not read
+batches from disk: each time the training loop asks for a batch it takes the next
+``prompts_per_step`` prompts of the dataset (TRL's prompt-only format), samples
+``num_generations`` completions of each from the *current* policy through the `RolloutEngine`,
+scores them with TRL-signature reward functions and computes GRPO's group-relative advantages
+(TRL 1.16's ``_generate_and_score_completions``). It runs in the main process (``num_workers=0``)
+and is exactly resumable: `state_dict` holds the data position and the sampling RNG.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+from typing_extensions import override
+
+from lightning_tlt.data.batch import RolloutBatch, pad_left, pad_right
+from lightning_tlt.data.rewards import OnRewardError, RewardFunc, compute_rewards, reward_func_name
+from lightning_tlt.rl.advantages import combine_rewards, group_advantages, nanstd
+from lightning_tlt.rl.config import normalize_scale_rewards
+from lightning_tlt.rollout.types import RolloutOutput, SamplingConfig, SpeculativeConfig, StepListener
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+    from lightning_tlt.rollout.engine import RolloutEngine
+
+
+@dataclass
+class RolloutSettings:
+    """What the RL module's config says about rollouts (the datamodule inherits unset options from it)."""
+
+    num_generations: int
+    sampling: SamplingConfig
+    scale_rewards: str
+    reward_weights: list[float] | None = None
+
+
+@dataclass
+class TrainerStateView:
+    """The part of a Trainer's state handed to reward functions as ``trainer_state`` (TRL passes its own)."""
+
+    global_step: int
+    max_steps: int
+
+
+class _RolloutStream(IterableDataset):
+    """One epoch of rollout batches, generated lazily in ``__next__`` (never ahead of the training step)."""
+
+    def __init__(self, dm: RolloutDataModule, stage: Literal["train", "eval"]) -> None:
+        self.dm, self.stage = dm, stage
+
+    def __len__(self) -> int:
+        return self.dm.steps_per_epoch if self.stage == "train" else self.dm.eval_steps
+
+    def __iter__(self) -> Iterator[RolloutBatch]:
+        return self.dm._train_iter() if self.stage == "train" else self.dm._eval_iter()
+
+
+class _ResumableLoader(DataLoader):
+    """A DataLoader whose position is the datamodule's (so Lightning knows it resumes mid-epoch exactly)."""
+
+    def __init__(self, dm: RolloutDataModule, stage: Literal["train", "eval"]) -> None:
+        super().__init__(_RolloutStream(dm, stage), batch_size=None, num_workers=0)
+        self._dm = dm
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._dm.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._dm.load_state_dict(state_dict)
+
+
+class RolloutDataModule(pl.LightningDataModule):
+    """Generates a `RolloutBatch` per training step from the current policy.
+
+    Args:
+        dataset: a ``datasets.Dataset`` (or list of dicts) with a ``prompt`` column in TRL's format
+            (a string, or a list of ``{"role", "content"}`` messages), or the name of a zoo task
+            (``lightning_tlt.data.tasks``), whose dataset is built with ``task_size``/``difficulty``.
+        reward_funcs: TRL-signature reward functions (sync or async); ``None`` takes the zoo task's.
+        eval_dataset: prompts for ``validate``; ``None`` with a task name takes the task's test split.
+        tokenizer: an HF tokenizer or a directory to load one from; ``None`` builds the kit's.
+        num_generations: completions per prompt; ``None`` takes the RL module's.
+        prompts_per_step: prompts per training step (TRL's ``generation_batch_size / num_generations``).
+        sampling: how to sample; ``None`` takes the RL module's (temperature, top-p/k, max length).
+        speculative: the engine's speculation (`SpeculativeConfig`); ``None`` does not speculate.
+        max_batch_size: engine slots; ``None`` fits one step's ``prompts_per_step * num_generations`` rows.
+        max_seq_len: engine context; ``None`` is the longest prompt plus ``max_new_tokens``.
+        engine_kwargs: further `RolloutEngine` options (``use_cuda_graphs``, ``compile``, ...).
+        reward_weights: weight per reward function; ``None`` takes the module's, else 1 each.
+        scale_rewards: "group", "batch" or "none"; ``None`` takes the module's.
+        on_reward_error: "raise" stops on a reward function error (naming the prompt and completion),
+            "skip" leaves the completions it cannot score out (NaN), never scoring them zero.
+        seed: seeds the prompt order (reshuffled every epoch) and the sampling generator.
+        shuffle: shuffle the prompts each epoch.
+        task_size, difficulty, conversational, eval_size: how a zoo task's datasets are built.
+    """
+
+    def __init__(
+        self,
+        dataset: Any = "arithmetic",
+        reward_funcs: Sequence[RewardFunc] | None = None,
+        *,
+        eval_dataset: Any = None,
+        tokenizer: Any = None,
+        num_generations: int | None = None,
+        prompts_per_step: int = 4,
+        sampling: SamplingConfig | None = None,
+        speculative: SpeculativeConfig | None = None,
+        max_batch_size: int | None = None,
+        max_seq_len: int | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
+        reward_weights: list[float] | None = None,
+        scale_rewards: str | None = None,
+        on_reward_error: OnRewardError = "raise",
+        seed: int = 0,
+        shuffle: bool = True,
+        task_size: int = 1024,
+        difficulty: int = 1,
+        conversational: bool = False,
+        eval_size: int = 64,
+    ) -> None:
+        super().__init__()
+        if num_generations is not None and num_generations < 1:
+            raise ValueError(f"num_generations must be >= 1 or None, got {num_generations!r}")
+        if prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step!r}")
+        if on_reward_error not in ("raise", "skip"):
+            raise ValueError(f"on_reward_error must be 'raise' or 'skip', got {on_reward_error!r}")
+        if scale_rewards is not None:
+            scale_rewards = normalize_scale_rewards(scale_rewards)
+        if task_size < 1 or eval_size < 1:
+            raise ValueError(f"task_size and eval_size must be >= 1, got {task_size!r}, {eval_size!r}")
+        self._dataset_arg, self._eval_arg, self._tokenizer_arg = dataset, eval_dataset, tokenizer
+        self.reward_funcs: list[RewardFunc] = list(reward_funcs) if reward_funcs is not None else []
+        self._reward_funcs_given = reward_funcs is not None
+        self.num_generations = num_generations
+        self.prompts_per_step = prompts_per_step
+        self.sampling = sampling
+        self.speculative = speculative
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.engine_kwargs = dict(engine_kwargs or {})
+        self.reward_weights = reward_weights
+        self.scale_rewards = scale_rewards
+        self.on_reward_error: OnRewardError = on_reward_error
+        self.seed, self.shuffle = seed, shuffle
+        self.task_size, self.difficulty, self.conversational, self.eval_size = (
+            task_size, difficulty, conversational, eval_size,
+        )
+        self.tokenizer: Any = None
+        self.train_data: Dataset | None = None
+        self.eval_data: Dataset | None = None
+        self._engine: RolloutEngine | None = None
+        self._listeners: list[StepListener] = []
+        self._policy: torch.nn.Module | None = None
+        self._generator: torch.Generator | None = None
+        self._generator_state: torch.Tensor | None = None
+        # the resumable position: epoch, prompts consumed in it, rollouts made, tokens seen
+        self._epoch, self._index, self._rl_step, self._num_tokens = 0, 0, 0, 0
+        self._setup_done = False
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def setup(self, stage: str) -> None:
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        self.prepare(policy=getattr(module, "policy", None), settings=_module_settings(module))
+
+    def prepare(self, policy: torch.nn.Module | None = None, settings: RolloutSettings | None = None) -> None:
+        """Load data, tokenizer and reward functions, and take unset options from ``settings``.
+
+        Lightning calls it through `setup`; call it yourself to use the datamodule without a Trainer.
+        """
+        if policy is not None and policy is not self._policy:
+            self._policy, self._engine = policy, None
+        if settings is not None:
+            self._inherit(settings)
+        if self.num_generations is None:
+            self.num_generations = 1
+        if self.sampling is None:
+            self.sampling = SamplingConfig()
+        if self.scale_rewards is None:
+            self.scale_rewards = "group"
+        if self._setup_done:
+            return
+        self.tokenizer = _load_tokenizer(self._tokenizer_arg)
+        self.train_data, task = self._load(self._dataset_arg, split="train", size=self.task_size)
+        if self._eval_arg is not None:
+            self.eval_data, _ = self._load(self._eval_arg, split="test", size=self.eval_size)
+        elif task is not None:
+            self.eval_data, _ = self._load(self._dataset_arg, split="test", size=self.eval_size)
+        if not self._reward_funcs_given:
+            if task is None:
+                raise ValueError("reward_funcs is required when dataset is not a zoo task name")
+            self.reward_funcs = list(task.reward_funcs)
+        if not self.reward_funcs:
+            raise ValueError("reward_funcs must hold at least one reward function, got an empty list")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"reward_weights needs one weight per reward function ({len(self.reward_funcs)}), "
+                f"got {self.reward_weights!r}"
+            )
+        if len(self.train_data) < self.prompts_per_step:
+            raise ValueError(
+                f"the dataset has {len(self.train_data)} prompts, fewer than prompts_per_step={self.prompts_per_step}"
+            )
+        self._train_prompt_ids = [self._encode(p) for p in self.train_data["prompt"]]
+        self._eval_prompt_ids = [self._encode(p) for p in self.eval_data["prompt"]] if self.eval_data else []
+        self._setup_done = True
+
+    def _inherit(self, settings: RolloutSettings) -> None:
+        for name in ("num_generations", "sampling", "scale_rewards", "reward_weights"):
+            ours, theirs = getattr(self, name), getattr(settings, name)
+            if ours is None:
+                setattr(self, name, theirs)
+            elif theirs is not None and ours != theirs:
+                raise ValueError(
+                    f"RolloutDataModule.{name}={ours!r} disagrees with the RL module's config ({theirs!r}); "
+                    f"leave it None to take the module's"
+                )
+
+    def _load(self, arg: Any, *, split: str, size: int) -> tuple[Dataset, Any]:
+        from datasets import Dataset
+
+        task = None
+        if isinstance(arg, str):
+            from lightning_tlt.data.tasks import get_task
+
+            task = get_task(arg)
+            data = task.make_dataset(
+                size, difficulty=self.difficulty, seed=self.seed, conversational=self.conversational, split=split
+            )
+        elif isinstance(arg, Dataset):
+            data = arg
+        elif isinstance(arg, list):
+            data = Dataset.from_list(arg)
+        else:
+            raise ValueError(f"dataset must be a datasets.Dataset, a list of dicts or a task name, got {type(arg)!r}")
+        if "prompt" not in data.column_names:
+            raise ValueError(
+                f"the dataset needs a 'prompt' column (TRL's prompt-only format), got columns {data.column_names}"
+            )
+        if len(data) == 0:
+            raise ValueError("the dataset is empty")
+        return data, task
+
+    def _encode(self, prompt: Any) -> list[int]:
+        from lightning_tlt.models.tokenizer import encode_prompt
+
+        return encode_prompt(self.tokenizer, prompt)
+
+    # ------------------------------------------------------------------ engine
+    @property
+    def policy(self) -> torch.nn.Module:
+        if self._policy is None:
+            raise RuntimeError("RolloutDataModule has no policy: attach it to a Trainer or call prepare(policy=...)")
+        return self._policy
+
+    @property
+    def engine(self) -> RolloutEngine:
+        """The `RolloutEngine` over the policy's own parameters, created on first use on its device."""
+        if self._engine is None:
+            from lightning_tlt.rollout.engine import RolloutEngine
+
+            assert self.sampling is not None and self.num_generations is not None
+            longest = max(len(p) for p in self._train_prompt_ids + self._eval_prompt_ids)
+            rows = self.prompts_per_step * self.num_generations
+            self._engine = RolloutEngine(
+                self.policy,
+                max_batch_size=self.max_batch_size or rows,
+                max_seq_len=self.max_seq_len or longest + self.sampling.max_new_tokens,
+                speculative=self.speculative,
+                **self.engine_kwargs,
+            )
+            for fn in self._listeners:
+                self._engine.add_listener(fn)
+        return self._engine
+
+    def add_listener(self, fn: StepListener) -> None:
+        """Attach ``fn`` to the engine's `StepEvent` s (now, or when the engine is created)."""
+        self._listeners.append(fn)
+        if self._engine is not None:
+            self._engine.add_listener(fn)
+
+    def remove_listener(self, fn: StepListener) -> None:
+        if fn in self._listeners:
+            self._listeners.remove(fn)
+        if self._engine is not None:
+            self._engine.remove_listener(fn)
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The sampling generator (seeded from ``seed``; its state is part of `state_dict`)."""
+        if self._generator is None:
+            self._generator = torch.Generator(device=self.engine.device)
+            if self._generator_state is not None:
+                self._generator.set_state(self._generator_state)
+            else:
+                self._generator.manual_seed(self.seed)
+        return self._generator
+
+    # ------------------------------------------------------------------ dataloaders
+    @property
+    def steps_per_epoch(self) -> int:
+        assert self.train_data is not None, "call setup/prepare first"
+        return len(self.train_data) // self.prompts_per_step
+
+    @property
+    def eval_steps(self) -> int:
+        return -(-len(self.eval_data) // self.prompts_per_step) if self.eval_data is not None else 0
+
+    @override
+    def train_dataloader(self) -> DataLoader:
+        return _ResumableLoader(self, "train")
+
+    @override
+    def val_dataloader(self) -> DataLoader:
+        if self.eval_data is None:
+            raise ValueError("validate needs eval_dataset (or a zoo task name as dataset)")
+        return DataLoader(_RolloutStream(self, "eval"), batch_size=None, num_workers=0)
+
+    def _order(self, epoch: int) -> list[int]:
+        assert self.train_data is not None
+        n = len(self.train_data)
+        if not self.shuffle:
+            return list(range(n))
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(n, generator=g).tolist()
+
+    def _train_iter(self) -> Iterator[RolloutBatch]:
+        order = self._order(self._epoch)
+        while self._index + self.prompts_per_step <= len(order):
+            rows = order[self._index : self._index + self.prompts_per_step]
+            batch = self.rollout(rows)
+            self._index += self.prompts_per_step
+            yield batch
+        self._epoch, self._index = self._epoch + 1, 0
+
+    def _eval_iter(self) -> Iterator[RolloutBatch]:
+        assert self.eval_data is not None
+        n = len(self.eval_data)
+        g = torch.Generator(device=self.engine.device).manual_seed(self.seed + 1)  # eval never moves training's RNG
+        for start in range(0, n, self.prompts_per_step):
+            yield self.rollout(list(range(start, min(n, start + self.prompts_per_step))), split="eval", generator=g)
+
+    # ------------------------------------------------------------------ one rollout
+    def rollout(
+        self, rows: list[int], *, split: Literal["train", "eval"] = "train", generator: torch.Generator | None = None
+    ) -> RolloutBatch:
+        """Generate, score and compute advantages for the dataset rows ``rows`` (one RL step)."""
+        assert self.sampling is not None and self.num_generations is not None and self.scale_rewards is not None
+        data = self.train_data if split == "train" else self.eval_data
+        prompt_ids = self._train_prompt_ids if split == "train" else self._eval_prompt_ids
+        assert data is not None
+        g = self.num_generations
+        records = data.select(rows).to_list() if hasattr(data, "select") else [data[i] for i in rows]
+        with torch.no_grad():
+            out = self.engine.generate(
+                [prompt_ids[i] for i in rows], self.sampling, num_samples=g,
+                generator=self.generator if generator is None else generator,
+            )
+        if len(out) != len(rows) * g:
+            raise RuntimeError(f"the engine returned {len(out)} completions for {len(rows)} prompts x {g}")
+        prompts = [rec["prompt"] for rec in records for _ in range(g)]
+        texts = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+        conversational = not isinstance(prompts[0], str)
+        completions: list[Any] = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+        columns = {k: [rec[k] for rec in records for _ in range(g)] for k in records[0] if k != "prompt"}
+        step = self._trainer_step()
+        t0 = time.perf_counter()
+        per_func, failures = compute_rewards(
+            self.reward_funcs, prompts=prompts, completions=completions, completion_ids=out.completion_ids,
+            columns=columns, on_error=self.on_reward_error,
+            extra_kwargs={"trainer_state": TrainerStateView(step, self._max_steps())},
+        )
+        reward_time = time.perf_counter() - t0
+        weights = torch.tensor(self.reward_weights, dtype=torch.float32) if self.reward_weights else None
+        rewards = combine_rewards(per_func, weights)
+        advantages, adv_stats = group_advantages(rewards, g, self.scale_rewards)
+        batch = _to_batch(out, self.tokenizer.pad_token_id or 0, rewards, per_func, advantages, g, step)
+        batch.prompts, batch.completions = prompts, completions
+        batch.reward_func_names = [reward_func_name(f) for f in self.reward_funcs]
+        if split == "train":
+            self._num_tokens += int(batch.prompt_mask.sum() + batch.completion_mask.sum())
+            self._rl_step += 1
+        batch.metrics = _metrics(batch, out, adv_stats, failures, reward_time, self._num_tokens)
+        return batch
+
+    def _trainer_step(self) -> int:
+        return int(self.trainer.global_step) if self.trainer is not None else self._rl_step
+
+    def _max_steps(self) -> int:
+        return int(self.trainer.max_steps) if self.trainer is not None else -1
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self._epoch,
+            "index": self._index,
+            "rl_step": self._rl_step,
+            "num_tokens": self._num_tokens,
+            "generator": self._generator.get_state() if self._generator is not None else self._generator_state,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._epoch, self._index = int(state_dict["epoch"]), int(state_dict["index"])
+        self._rl_step, self._num_tokens = int(state_dict["rl_step"]), int(state_dict["num_tokens"])
+        self._generator_state = state_dict["generator"]
+        if self._generator is not None and self._generator_state is not None:
+            self._generator.set_state(self._generator_state)
+
+
+def _module_settings(module: Any) -> RolloutSettings | None:
+    get: Callable[[], RolloutSettings] | None = getattr(module, "rollout_settings", None)
+    return get() if get is not None else None
+
+
+def _load_tokenizer(arg: Any) -> Any:
+    if arg is None:
+        from lightning_tlt.models.tokenizer import build_tokenizer
+
+        return build_tokenizer()
+    if isinstance(arg, str):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(arg)
+    return arg
+
+
+def _to_batch(
+    out: RolloutOutput, pad_id: int, rewards: torch.Tensor, per_func: torch.Tensor, advantages: torch.Tensor,
+    g: int, step: int,
+) -> RolloutBatch:
+    prompt_ids, prompt_mask = pad_left(out.prompt_ids, pad_id)
+    completion_ids, completion_mask = pad_right(out.completion_ids, pad_id, torch.long)
+    logprobs, _ = pad_right(out.logprobs, 0.0, torch.float32)
+    return RolloutBatch(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
+        completion_mask=completion_mask, sampling_logprobs=logprobs, rewards=rewards, rewards_per_func=per_func,
+        advantages=advantages, is_truncated=torch.tensor([r == "length" for r in out.finish_reasons]),
+        num_generations=g, step=step,
+    )
+
+
+def _metrics(
+    batch: RolloutBatch, out: RolloutOutput, adv_stats: dict[str, torch.Tensor], failures: dict[str, int],
+    reward_time: float, num_tokens: int,
+) -> dict[str, float]:
+    """TRL's rollout metrics (names of ``GRPOTrainer``) plus the kit's engine and speculation figures."""
+    lengths = batch.completion_mask.sum(1).float()  # (B,)
+    truncated = batch.is_truncated
+    terminated = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
+    m: dict[str, float] = {
+        "num_tokens": float(num_tokens),
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": truncated.float().mean().item(),
+        "completions/mean_terminated_length": terminated.mean().item(),
+        "reward": torch.nanmean(batch.rewards).item(),
+        "reward_std": nanstd(batch.rewards).item(),
+        "frac_reward_zero_std": adv_stats["frac_reward_zero_std"].item(),
+        "rollout/reward_time_s": reward_time,
+    }
+    for j, name in enumerate(batch.reward_func_names):
+        col = batch.rewards_per_func[:, j]
+        m[f"rewards/{name}/mean"] = torch.nanmean(col).item()
+        m[f"rewards/{name}/std"] = nanstd(col).item()
+        if name in failures:
+            m[f"rewards/{name}/errors"] = float(failures[name])
+    m.update(engine_metrics(out.stats))
+    return m
+
+
+def engine_metrics(stats: dict[str, float]) -> dict[str, float]:
+    """The kit's rollout metrics from `RolloutOutput.stats`: ``rollout/*`` and ``spec/*``."""
+    m: dict[str, float] = {}
+    for key, name in (("tokens_per_s", "rollout/tokens_per_s"), ("wall_time_s", "rollout/time_s"),
+                      ("steps", "rollout/steps")):
+        if key in stats:
+            m[name] = float(stats[key])
+    decode, spec = stats.get("steps_decode", 0.0), stats.get("steps_speculative", 0.0)
+    m["spec/fraction"] = float(stats.get("spec_fraction", spec / (decode + spec) if decode + spec > 0 else 0.0))
+    for key in ("accept_len", "spec_accept_len", "mean_accept_len"):
+        if key in stats:
+            m["spec/accept_len"] = float(stats[key])
+            break
+    for key, value in stats.items():
+        if key.startswith("spec_") and key not in ("spec_fraction", "spec_accept_len"):
+            m[f"spec/{key[5:]}"] = float(value)
+    return m
+
+
+__all__ = ["RolloutDataModule", "RolloutSettings", "engine_metrics"]

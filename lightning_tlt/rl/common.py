@@ -1,0 +1,261 @@
+"""What the GRPO and PPO LightningModules share: the policy spec, the policy forward, the optimizer.
+
+The modules only orchestrate: losses and advantages are pure functions (`lightning_tlt.rl.losses`,
+`lightning_tlt.rl.advantages`); this file holds the plumbing both need: building the policy from
+a small typed spec (so LightningCLI can describe it in YAML), per-token log-probabilities of the
+completions (TRL's ``_get_per_token_logps_and_entropies``), AdamW with TRL's linear schedule, and
+the hidden-state harvest that the drafter co-training callback reads.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_tlt.data.batch import RolloutBatch
+from lightning_tlt.rl.config import OptimConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class PolicySpec:
+    """A policy described in a few fields (what ``policy:`` in a LightningCLI YAML holds).
+
+    Either a zoo model (``arch``/``size``/``seed``), optionally warm-started by SFT on a zoo task
+    (``warm_start``, cached on disk), or an HF model directory (``path``).
+    """
+
+    arch: str = "qwen2"
+    """Zoo architecture: "qwen2", "llama" or "qwen3"."""
+    size: str = "tiny"
+    """Zoo size (a key of ``lightning_tlt.models.zoo.ZOO_SIZES``)."""
+    seed: int = 0
+    """Seed of the zoo model's init."""
+    warm_start: str | None = None
+    """Zoo task to SFT-warm-start on first (``lightning_tlt.models.warmstart.warm_start``, cached)."""
+    warm_start_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra arguments of ``warm_start`` (steps, difficulty, cache_dir, ...)."""
+    path: str | None = None
+    """An HF model directory (``AutoModelForCausalLM.from_pretrained``); overrides the zoo fields."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.path is not None and self.warm_start is not None:
+            raise ValueError(f"give either path ({self.path!r}) or warm_start ({self.warm_start!r}), not both")
+
+    def build(self) -> nn.Module:
+        """Build (or load) the policy, on the CPU."""
+        dtype = _DTYPES[self.dtype]
+        if self.path is not None:
+            from transformers import AutoModelForCausalLM
+
+            return AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype)
+        if self.warm_start is not None:
+            from lightning_tlt.models.warmstart import warm_start
+
+            model, _ = warm_start(self.warm_start, self.arch, self.size, seed=self.seed, **self.warm_start_kwargs)
+            return model.to(dtype)
+        from lightning_tlt.models.zoo import build_model
+
+        return build_model(self.arch, self.size, seed=self.seed, dtype=dtype)
+
+
+def resolve_policy(policy: nn.Module | PolicySpec | dict[str, Any]) -> nn.Module:
+    """A policy module from a module, a `PolicySpec` or the dict of one."""
+    if isinstance(policy, dict):
+        policy = PolicySpec(**policy)
+    if isinstance(policy, PolicySpec):
+        return policy.build()
+    if isinstance(policy, nn.Module):
+        return policy
+    raise ValueError(f"policy must be an nn.Module, a PolicySpec or a dict of one, got {type(policy)!r}")
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A frozen, eval-mode deep copy (the reference model of the KL term)."""
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+@dataclass
+class PolicyFeatures:
+    """The policy's final hidden states from the first training forward of an RL step.
+
+    Read by the drafter co-training callback (``pl_module.last_policy_features``) to train the
+    EAGLE drafter on what the policy computed anyway.
+    """
+
+    hidden_states: Tensor
+    """``(N, T, H)`` detached final-layer hidden states, after the final norm (HF ``hidden_states[-1]``)."""
+    input_ids: Tensor
+    """``(N, T)`` prompt and completion tokens."""
+    attention_mask: Tensor
+    """``(N, T)`` 1 on real tokens (prompts are left-padded)."""
+    completion_mask: Tensor
+    """``(N, T)`` 1 on completion tokens."""
+    step: int
+    """The RL step (``trainer.global_step`` when the batch was trained on)."""
+
+
+@dataclass
+class PolicyForward:
+    """Per-token quantities of the completions from one policy forward."""
+
+    logps: Tensor
+    """``(B, C)`` log-probabilities of the completion tokens (logits divided by the temperature)."""
+    entropies: Tensor
+    """``(B, C)`` detached entropies of those distributions."""
+    hidden_states: Tensor | None = None
+    """``(B, P + C, H)`` final hidden states, when asked for."""
+
+
+def completion_forward(
+    model: nn.Module, batch: RolloutBatch, *, temperature: float, output_hidden_states: bool = False
+) -> PolicyForward:
+    """Log-probabilities and entropies of the batch's completion tokens under ``model``.
+
+    As TRL's ``_get_per_token_logps_and_entropies``: one forward over prompt + completion, logits
+    of the last ``C + 1`` positions, divided by the sampling temperature, the last one dropped.
+    Positions skip the left padding, as in the engine.
+    """
+    c = batch.completion_ids.shape[1]
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        logits_to_keep=c + 1,
+        output_hidden_states=output_hidden_states,
+        use_cache=False,
+    )
+    logits = out.logits[:, :-1, :].float() / temperature  # (B, C, V)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logps = logp_all.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)  # (B, C)
+    with torch.no_grad():
+        entropies = -(logp_all.exp() * logp_all).sum(-1)  # (B, C)
+    hidden = out.hidden_states[-1] if output_hidden_states else None
+    return PolicyForward(logps=logps, entropies=entropies, hidden_states=hidden)
+
+
+class RLModule(pl.LightningModule):
+    """Base of `GRPOModule` and `PPOModule`: manual optimization over rollout batches.
+
+    Attributes:
+        harvest_features: when true, the first training forward of each RL step also returns the
+            final hidden states, stored detached in `last_policy_features` (off by default: it
+            costs nothing then).
+        last_policy_features: the latest `PolicyFeatures`, or ``None``.
+    """
+
+    config: OptimConfig
+
+    def __init__(self, policy: nn.Module | PolicySpec | dict[str, Any]) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.policy = resolve_policy(policy)
+        self.harvest_features = False
+        self.last_policy_features: PolicyFeatures | None = None
+
+    @override
+    def on_fit_start(self) -> None:
+        self.policy.train()  # as HF's Trainer does; a reference model stays in eval mode
+
+    # ------------------------------------------------------------------ optimizer
+    def optimizer_steps_per_batch(self) -> int:
+        """Optimizer steps one rollout batch makes (for the schedule's length)."""
+        return 1
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.policy.parameters() if p.requires_grad]
+
+    @override
+    def configure_optimizers(self) -> Any:
+        cfg = self.config
+        optimizer = torch.optim.AdamW(
+            self.trainable_parameters(),
+            lr=cfg.learning_rate,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_epsilon,
+            weight_decay=cfg.weight_decay,
+        )
+        total = self._total_optimizer_steps()
+        warmup = cfg.warmup_steps
+        linear = cfg.lr_scheduler_type == "linear"
+
+        def factor(step: int) -> float:  # transformers' get_linear_schedule_with_warmup / constant_with_warmup
+            if step < warmup:
+                return step / max(1, warmup)
+            if not linear:
+                return 1.0
+            return max(0.0, (total - step) / max(1, total - warmup))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _total_optimizer_steps(self) -> int:
+        trainer = self._trainer
+        if trainer is None:
+            return 1
+        if trainer.max_steps and trainer.max_steps > 0:
+            return int(trainer.max_steps)
+        batches = trainer.estimated_stepping_batches
+        if not isinstance(batches, int) and not float(batches) < float("inf"):
+            raise ValueError("set Trainer(max_steps=...) (or max_epochs) so the learning-rate schedule has a length")
+        return int(batches) * self.optimizer_steps_per_batch()
+
+    def _step(self, loss: Tensor) -> None:
+        """One manual optimizer step on ``loss`` (backward, clip, step, schedule)."""
+        optimizer = self.optimizers()
+        optimizer.zero_grad(set_to_none=True)
+        self.manual_backward(loss)
+        if self.config.max_grad_norm > 0:
+            self.clip_gradients(optimizer, gradient_clip_val=self.config.max_grad_norm, gradient_clip_algorithm="norm")
+        optimizer.step()
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+
+    def _learning_rate(self) -> float:
+        return float(self.optimizers().param_groups[0]["lr"])
+
+    # ------------------------------------------------------------------ features and logging
+    def _store_features(self, batch: RolloutBatch, hidden: Tensor | None) -> None:
+        if hidden is None:
+            return
+        p = batch.prompt_ids.shape[1]
+        completion_mask = torch.zeros_like(batch.attention_mask)
+        completion_mask[:, p:] = batch.completion_mask
+        self.last_policy_features = PolicyFeatures(
+            hidden_states=hidden.detach(),
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            completion_mask=completion_mask,
+            step=int(self.global_step),
+        )
+
+    def _log_metrics(self, metrics: dict[str, float | Tensor], batch_size: int, prefix: str = "") -> None:
+        shown = {"reward", "loss", "completions/mean_length", "spec/accept_len"}
+        for name, value in metrics.items():
+            value = float(value.item()) if isinstance(value, Tensor) else float(value)
+            self.log(
+                prefix + name, value, on_step=not prefix, on_epoch=bool(prefix), batch_size=batch_size,
+                prog_bar=name in shown and not prefix,
+            )
+
+    @override
+    def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+        # TRL prefixes evaluation metrics with "eval_"; rewards need no gradient
+        self._log_metrics(
+            {k: v for k, v in batch.metrics.items() if not k.startswith("num_tokens")}, len(batch), prefix="eval_"
+        )

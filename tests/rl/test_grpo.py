@@ -1,0 +1,186 @@
+"""GRPOModule with a real Trainer: weights move, TRL's metric names land in the CSV, exact resume."""
+
+from __future__ import annotations
+
+import csv
+import logging
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_tlt.callbacks.rollout_metrics import RolloutMetricsCallback
+from lightning_tlt.callbacks.rollout_progress import RolloutProgressCallback
+from lightning_tlt.data.datamodule import RolloutDataModule
+from lightning_tlt.models.zoo import build_model
+from lightning_tlt.rl.config import GRPOConfig
+from lightning_tlt.rl.grpo import GRPOModule
+
+TRL_NAMES = [
+    "reward", "reward_std", "rewards/digits/mean", "completions/mean_length", "completions/clipped_ratio",
+    "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "num_tokens",
+    "rollout/tokens_per_s", "spec/fraction", "step_time", "loss", "learning_rate",
+]
+
+
+def digits(completions: list[str], **kwargs: object) -> list[float]:
+    """Share of digits in a completion: varies between random completions, so advantages are non-zero."""
+    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+
+
+def make(seed: int = 0, **cfg: object) -> tuple[GRPOModule, RolloutDataModule]:
+    config = dict(num_generations=4, max_completion_length=12, learning_rate=3e-3, lr_scheduler_type="constant")
+    config.update(cfg)
+    module = GRPOModule(build_model("qwen2", "tiny", seed=seed), GRPOConfig(**config))
+    data = RolloutDataModule("arithmetic", [digits], prompts_per_step=2, task_size=32, seed=seed)
+    return module, data
+
+
+def trainer(tmp_path: Path, max_steps: int, callbacks: list[Callback] | None = None, **kw: object) -> pl.Trainer:
+    return pl.Trainer(
+        max_steps=max_steps, accelerator="cpu", logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=1,
+        enable_checkpointing=False, enable_model_summary=False, callbacks=callbacks or [], **kw,
+    )
+
+
+def read_csv(tmp_path: Path) -> list[dict[str, str]]:
+    (path,) = sorted(tmp_path.glob("csv/version_*/metrics.csv"))[-1:]
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+class Record(Callback):
+    def __init__(self) -> None:
+        self.batches: list[torch.Tensor] = []
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.batches.append(batch.completion_ids.clone())
+        self.losses.append(float(outputs["loss"]))
+
+
+def test_trainer_two_steps_changes_weights_and_logs_trl_metrics(tmp_path: Path, caplog) -> None:  # noqa: ANN001
+    module, data = make(beta=0.04)
+    before = {k: v.clone() for k, v in module.policy.state_dict().items()}
+    progress = RolloutProgressCallback(refresh_s=0.0)
+    seen: list[str] = []
+    data.add_listener(lambda e: seen.append(progress.last_text))
+    with caplog.at_level(logging.INFO):
+        trainer(tmp_path, 2, [RolloutMetricsCallback(), progress]).fit(module, datamodule=data)
+    assert module.global_step == 2
+    moved = max((before[k] - v).abs().max().item() for k, v in module.policy.state_dict().items())
+    assert moved > 1e-4
+    # the reference model of the KL term stayed where it was
+    for name, p in module.ref_model.state_dict().items():
+        torch.testing.assert_close(p, before[name])
+    rows = [r for r in read_csv(tmp_path) if r.get("loss")]
+    assert len(rows) == 2
+    for name in TRL_NAMES:
+        assert all(r[name] != "" for r in rows), name
+    # step 2 trains after one update: KL against the reference is positive then
+    assert float(rows[1]["kl"]) > 0
+    assert float(rows[0]["completions/mean_length"]) > 0
+    assert any(t.startswith("rollout: ") and "rows active" in t for t in seen)
+    assert any("reward" in r.message and "tok/s" in r.message for r in caplog.records)
+
+
+def test_num_iterations_reuses_the_batch_with_clipping(tmp_path: Path) -> None:
+    module, data = make(num_iterations=3, learning_rate=3e-2, epsilon=0.05)
+    rec = Record()
+    trainer(tmp_path, 3, [rec]).fit(module, datamodule=data)
+    assert len(rec.batches) == 1  # three optimizer steps, one rollout batch
+    assert module.global_step == 3
+    row = [r for r in read_csv(tmp_path) if r.get("loss")][-1]
+    assert float(row["clip_ratio/region_mean"]) > 0  # later passes are off-policy and get clipped
+
+
+def test_harvest_features_for_drafter_cotraining(tmp_path: Path) -> None:
+    module, data = make()
+    module.harvest_features = True
+    trainer(tmp_path, 1).fit(module, datamodule=data)
+    feats = module.last_policy_features
+    assert feats is not None
+    n, t = feats.input_ids.shape
+    assert feats.hidden_states.shape == (n, t, module.policy.config.hidden_size)
+    assert not feats.hidden_states.requires_grad
+    assert feats.completion_mask.sum() > 0 and feats.completion_mask.shape == (n, t)
+    assert feats.step == 0
+    # the same states as a fresh HF forward of the trained-on batch would give before the update: check shapes
+    # and that completion positions are a subset of attended ones
+    assert bool((feats.completion_mask <= feats.attention_mask).all())
+
+
+def test_checkpoint_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
+    straight = Record()
+    module, data = make(seed=1)
+    trainer(tmp_path / "a", 3, [straight]).fit(module, datamodule=data)
+
+    first = Record()
+    module, data = make(seed=1)
+    t = trainer(tmp_path / "b", 2, [first])
+    t.fit(module, datamodule=data)
+    ckpt = tmp_path / "two.ckpt"
+    t.save_checkpoint(ckpt)
+
+    resumed = Record()
+    module, data = make(seed=1)
+    trainer(tmp_path / "c", 3, [resumed]).fit(module, datamodule=data, ckpt_path=ckpt)
+    assert len(resumed.batches) == 1
+    for a, b in zip(straight.batches[:2], first.batches):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(resumed.batches[0], straight.batches[2])
+    assert resumed.losses[0] == pytest.approx(straight.losses[2], rel=1e-5, abs=1e-7)
+    assert not torch.equal(straight.batches[2], straight.batches[1])
+
+
+def test_accepts_a_real_trl_grpo_config() -> None:
+    from trl import GRPOConfig as TRLGRPOConfig
+
+    trl_cfg = TRLGRPOConfig(
+        output_dir="/tmp/unused", use_cpu=True, bf16=False, num_generations=4, beta=0.1, epsilon_high=0.28,
+        loss_type="grpo", scale_rewards="batch", max_completion_length=64, learning_rate=5e-6, report_to="none",
+    )
+    policy = build_model("qwen2", "tiny", seed=0)
+    for module in (GRPOModule(policy, config=trl_cfg), GRPOModule.from_trl(policy, trl_cfg)):
+        cfg = module.config
+        assert (cfg.num_generations, cfg.beta, cfg.epsilon_high, cfg.loss_type) == (4, 0.1, 0.28, "grpo")
+        assert (cfg.scale_rewards, cfg.max_completion_length, cfg.learning_rate) == ("batch", 64, 5e-6)
+        assert cfg.lr_scheduler_type == "linear"
+        assert module.ref_model is not None  # beta > 0 loads the reference
+
+
+def test_defaults_are_trls() -> None:
+    cfg = GRPOConfig()
+    assert (cfg.num_generations, cfg.beta, cfg.epsilon, cfg.epsilon_high, cfg.loss_type) == (8, 0.0, 0.2, None, "dapo")
+    assert (cfg.scale_rewards, cfg.num_iterations, cfg.importance_sampling_level) == ("group", 1, "token")
+    assert (cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k) == (512, 1.0, 1.0, 0)
+    assert (cfg.learning_rate, cfg.mask_truncated_completions) == (1e-6, False)
+    assert GRPOModule(build_model("qwen2", "tiny", seed=0)).ref_model is None  # beta == 0: no reference
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_generations": 1}, r"num_generations must be >= 2 .* got 1"),
+        ({"epsilon_high": 0.1}, r"epsilon_high must be >= epsilon \(0.2\) or None, got 0.1"),
+        ({"loss_type": "ppo"}, r"loss_type must be one of \['bnpo', 'dapo', 'dr_grpo', 'grpo'\], got 'ppo'"),
+        ({"scale_rewards": "std"}, r"scale_rewards must be one of .* got 'std'"),
+        ({"importance_sampling_level": "batch"}, r"importance_sampling_level must be 'token' or 'sequence'"),
+        ({"beta": -1.0}, r"beta must be >= 0"),
+        ({"temperature": 0.0}, r"temperature must be > 0 for training"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
+    ],
+)
+def test_bad_configuration_is_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        GRPOConfig(**kwargs)
+
+
+def test_datamodule_disagreeing_with_module_is_refused(tmp_path: Path) -> None:
+    module, _ = make()
+    data = RolloutDataModule("arithmetic", [digits], num_generations=3, prompts_per_step=2, task_size=8)
+    with pytest.raises(ValueError, match=r"num_generations=3 disagrees with the RL module's config \(4\)"):
+        trainer(tmp_path, 1).fit(module, datamodule=data)
