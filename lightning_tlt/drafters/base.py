@@ -65,7 +65,9 @@ class DraftProposal:
         if self.lens.shape != (bsz,):
             raise ValueError(f"lens must be (B,) = ({bsz},), got shape {tuple(self.lens.shape)}")
         if self.probs is not None and (self.probs.dim() != 3 or self.probs.shape[:2] != (bsz, k)):
-            raise ValueError(f"probs must be (B, k, V) = ({bsz}, {k}, V) or None, got {tuple(self.probs.shape)}")
+            raise ValueError(
+                f"probs must be (B, k, V) = ({bsz}, {k}, V) or None, got {tuple(self.probs.shape)}"
+            )
 
     @property
     def num_draft_tokens(self) -> int:

@@ -30,7 +30,9 @@ class AdaptiveGate:
         hard_limit: above this many active rows speculation is off immediately; ``None``: no limit.
     """
 
-    def __init__(self, threshold: int = 32, hysteresis_steps: int = 10, hard_limit: int | None = None) -> None:
+    def __init__(
+        self, threshold: int = 32, hysteresis_steps: int = 10, hard_limit: int | None = None
+    ) -> None:
         if threshold < 1:
             raise ValueError(f"threshold must be >= 1, got {threshold!r}")
         if hysteresis_steps < 1:

@@ -136,7 +136,12 @@ class SpeculationMetrics:
                 metric.to(device)
 
     def _metrics(self) -> tuple[Metric, ...]:
-        return (self.acceptance_length, self.acceptance_by_position, self.speculative_share, self.tokens_per_second)
+        return (
+            self.acceptance_length,
+            self.acceptance_by_position,
+            self.speculative_share,
+            self.tokens_per_second,
+        )
 
     def update_verify(self, num_accepted: Tensor, draft_lens: Tensor) -> None:
         self.acceptance_length.update(num_accepted)

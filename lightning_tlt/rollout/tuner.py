@@ -80,11 +80,15 @@ class DraftLengthTuner:
         max_pending: int = 64,
     ) -> None:
         if not candidates or any(k < 1 for k in candidates):
-            raise ValueError(f"candidates must be non-empty positive draft lengths, got {tuple(candidates)!r}")
+            raise ValueError(
+                f"candidates must be non-empty positive draft lengths, got {tuple(candidates)!r}"
+            )
         if not 0.0 <= epsilon <= 1.0:
             raise ValueError(f"epsilon must be in [0, 1], got {epsilon!r}")
         if any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
-            raise ValueError(f"buckets must be strictly increasing positive batch sizes, got {tuple(buckets)!r}")
+            raise ValueError(
+                f"buckets must be strictly increasing positive batch sizes, got {tuple(buckets)!r}"
+            )
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window!r}")
         if max_pending < 1:
@@ -176,7 +180,9 @@ class DraftLengthTuner:
         """End the step begun by `start`; ``emitted_tokens`` (all rows) may be a device tensor."""
         if not self._cuda:
             seconds = time.perf_counter() - timing.start_s
-            count = float(emitted_tokens.sum()) if isinstance(emitted_tokens, Tensor) else float(emitted_tokens)
+            count = (
+                float(emitted_tokens.sum()) if isinstance(emitted_tokens, Tensor) else float(emitted_tokens)
+            )
             self._add(timing.bucket, timing.k, count / max(seconds, 1e-9))
             return
         assert self._host_counts is not None
