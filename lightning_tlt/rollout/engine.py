@@ -19,6 +19,7 @@ from __future__ import annotations
 import inspect
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +81,15 @@ class _DecodeState:
     def move_rows(self, src: Tensor, dst: Tensor) -> None:
         for t in [*self.tensors(), self.hidden]:
             t[dst] = t[src]
+
+
+@dataclass
+class _Pending:
+    """A launched step whose finished flags are on their way to the host."""
+
+    snapshot: list[Request]  # the request in each slot when the step was launched
+    flags: Tensor  # (n,) bool, host side once ``event`` has completed
+    event: Any  # torch.cuda.Event | None
 
 
 @dataclass
@@ -152,6 +162,8 @@ class RolloutEngine:
         self._layout: tuple[Any, ...] = ()
         self._param_ptrs: tuple[int, ...] = ()
         self._scheduler = SlotScheduler(1)
+        self._pinned: list[Tensor] = []
+        self._pinned_next = 0
         self.last_stats: dict[str, float] = {}
 
     # ------------------------------------------------------------------ read-only properties
@@ -306,8 +318,10 @@ class RolloutEngine:
         if self._cache is not None and self._layout == layout:
             return
         slots = self.num_slots
+        # positions padded to a multiple of 64: aligned attention masks keep SDPA's fused kernels eligible
+        cache_len = -(-self.max_seq_len // 64) * 64
         self._cache = KVCache.allocate(
-            spec.num_layers, slots, self.max_seq_len, spec.num_kv_heads, spec.head_dim, device=device, dtype=dtype
+            spec.num_layers, slots, cache_len, spec.num_kv_heads, spec.head_dim, device=device, dtype=dtype
         )
         m = self.max_seq_len
         self._state = _DecodeState(
@@ -339,6 +353,8 @@ class RolloutEngine:
             # one specialisation per batch bucket and profile: raise dynamo's per-function limit
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 128)
             self._compiled = torch.compile(self._model_step, fullgraph=True, dynamic=False)
+        self._pinned = [torch.zeros(slots, dtype=torch.bool, pin_memory=on_cuda) for _ in range(2)]
+        self._pinned_next = 0
         self._layout = layout
 
     def _check_params(self) -> None:
@@ -480,41 +496,83 @@ class RolloutEngine:
             st.stop_ids[: len(stop_ids)] = torch.tensor(stop_ids, device=st.stop_ids.device)
         st.max_new.fill_(sampling.max_new_tokens)
         sampling_key = (sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p)
-        self._scheduler = sched = SlotScheduler(self.num_slots if self._cache is None else self._cache.num_slots, requests)
+        self._scheduler = sched = SlotScheduler(self._cache.num_slots, requests)  # type: ignore[union-attr]
         results: dict[int, tuple[list[int], list[float]]] = {}
         timers = _Timers()
         bar = self._progress_bar(len(requests) * sampling.max_new_tokens)
-        step = tokens_total = 0
-        start = time.perf_counter()
-        while not sched.done:
+        counters = {"step": 0, "tokens": 0}
+        pending: deque[_Pending] = deque()
+        start = last = time.perf_counter()
+        while True:
             admitted = sched.admit()
             if admitted:
                 t0 = time.perf_counter()
                 self._prefill(admitted)
                 dt = time.perf_counter() - t0
                 timers.add("prefill", dt)
-                step += 1
-                self._emit(StepEvent(step, "prefill", sched.num_active, sched.num_queued, sched.num_slots, dt))
-            t0 = time.perf_counter()
+                counters["step"] += 1
+                self._emit(StepEvent(counters["step"], "prefill", sched.num_active, sched.num_queued,
+                                     sched.num_slots, dt))
             n = sched.num_active
-            batch = graphs.bucket(n)
-            self._run_step(GraphProfile("decode", batch, 1, sampling_key), lambda b=batch: self._decode_step(b, sampling))
-            finished = st.finished[:n].cpu()  # the one small device->host copy of the step
-            dt = time.perf_counter() - t0
-            timers.add("decode", dt)
-            step += 1
-            tokens_total += n
-            if bar is not None:
-                bar.update(n)
-            done_slots = finished.nonzero().flatten().tolist()
-            if done_slots:
-                self._harvest(done_slots, results)
-            self._emit(StepEvent(step, "decode", sched.num_active, sched.num_queued, sched.num_slots, dt, new_tokens=n))
+            if n:
+                batch = graphs.bucket(n)
+                profile = GraphProfile("decode", batch, 1, sampling_key)
+                self._run_step(profile, lambda b=batch: self._decode_step(b, sampling))
+                pending.append(self._flags(list(sched.active)))
+            if not pending:
+                break
+            # process the previous step's flags while this one runs (one step of lag, no bubble)
+            if len(pending) > 1 or not n:
+                now = time.perf_counter()
+                self._process(pending.popleft(), results, timers, counters, bar, now - last)
+                last = now
         if bar is not None:
             bar.close()
         wall = time.perf_counter() - start
-        self._emit(StepEvent(step, "done", 0, 0, sched.num_slots, 0.0))
-        return self._output(requests, results, stop_ids, sampling, timers, wall, step, tokens_total)
+        self._emit(StepEvent(counters["step"], "done", 0, 0, sched.num_slots, 0.0))
+        return self._output(requests, results, stop_ids, sampling, timers, wall, counters["step"], counters["tokens"])
+
+    def _flags(self, snapshot: list[Request]) -> _Pending:
+        """Start the copy of the step's finished flags to the host, without waiting for it."""
+        st = self._state
+        assert st is not None
+        n = len(snapshot)
+        if st.finished.device.type != "cuda":
+            return _Pending(snapshot, st.finished[:n].clone(), None)
+        buf = self._pinned[self._pinned_next]
+        self._pinned_next ^= 1
+        buf[:n].copy_(st.finished[:n], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return _Pending(snapshot, buf[:n], event)
+
+    def _process(
+        self,
+        done: _Pending,
+        results: dict[int, tuple[list[int], list[float]]],
+        timers: _Timers,
+        counters: dict[str, int],
+        bar: Any,
+        dt: float,
+    ) -> None:
+        """Harvest the rows a finished step ended, and tell the listeners about that step."""
+        if done.event is not None:
+            done.event.synchronize()
+        flags = done.flags.tolist()
+        live = [r for r in done.snapshot if r.index not in results]
+        new_tokens = len(live)
+        ended = [r for r, f in zip(done.snapshot, flags) if f and r.index not in results]
+        if ended:
+            slot_of = {r.index: s for s, r in enumerate(self._scheduler.active)}
+            self._harvest([slot_of[r.index] for r in ended], results)
+        sched = self._scheduler
+        timers.add("decode", dt)
+        counters["step"] += 1
+        counters["tokens"] += new_tokens
+        if bar is not None:
+            bar.update(new_tokens)
+        self._emit(StepEvent(counters["step"], "decode", sched.num_active, sched.num_queued, sched.num_slots, dt,
+                             new_tokens=new_tokens))
 
     def _harvest(self, done_slots: list[int], results: dict[int, tuple[list[int], list[float]]]) -> None:
         """Read finished rows' completions, free their slots and repack the active rows."""
