@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 class RolloutSettings:
     """What the RL module's config says about rollouts (the datamodule inherits unset options from it)."""
 
-    num_generations: int
+    num_generations: int | None
     sampling: SamplingConfig
     scale_rewards: str
     reward_weights: list[float] | None = None
