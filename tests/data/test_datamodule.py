@@ -1,0 +1,148 @@
+"""RolloutDataModule without a Trainer: TRL reward conventions, errors that name the culprit, exact resume."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from lightning_tlt.data.datamodule import RolloutDataModule
+from lightning_tlt.data.rewards import RewardFunctionError
+from lightning_tlt.models.zoo import build_model
+from lightning_tlt.rollout.types import SamplingConfig
+
+ROWS = [{"prompt": f"Q{i}: 1+{i}=\n", "answer": str(1 + i), "level": i % 3} for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def policy() -> torch.nn.Module:
+    return build_model("qwen2", "tiny", seed=0)
+
+
+def length_reward(completions: list[str], **kwargs: object) -> list[float]:
+    return [float(len(c)) for c in completions]
+
+
+def make(policy: torch.nn.Module, funcs: list, **kw: object) -> RolloutDataModule:
+    opts = dict(num_generations=3, prompts_per_step=2, sampling=SamplingConfig(max_new_tokens=6), seed=0)
+    opts.update(kw)
+    dm = RolloutDataModule(kw.pop("dataset", ROWS), funcs, **{k: v for k, v in opts.items() if k != "dataset"})
+    dm.prepare(policy=policy)
+    return dm
+
+
+def test_batch_layout_columns_and_async_rewards(policy: torch.nn.Module) -> None:
+    seen: dict[str, list] = {}
+
+    def uses_columns(prompts, completions, completion_ids, answer, level, trainer_state, **kw):  # noqa: ANN001, ANN003
+        seen.update(prompts=prompts, answer=answer, level=level, ids=completion_ids)
+        return [1.0 if c.startswith(a) else 0.0 for c, a in zip(completions, answer)]
+
+    async def async_len(completions, **kw):  # noqa: ANN001, ANN003
+        await asyncio.sleep(0)
+        return [0.5 * len(c) for c in completions]
+
+    dm = make(policy, [uses_columns, async_len], reward_weights=[2.0, 1.0], shuffle=False)
+    batch = dm.rollout([0, 1])
+    assert len(batch) == 6 and batch.num_generations == 3
+    assert seen["prompts"] == [ROWS[0]["prompt"]] * 3 + [ROWS[1]["prompt"]] * 3  # TRL order: G per prompt
+    assert seen["answer"] == ["1"] * 3 + ["2"] * 3 and seen["level"] == [0] * 3 + [1] * 3
+    assert [len(c) for c in seen["ids"]] == batch.completion_mask.sum(1).tolist()
+    lengths = torch.tensor([float(len(c)) for c in batch.completions])
+    torch.testing.assert_close(batch.rewards_per_func[:, 1], 0.5 * lengths)
+    torch.testing.assert_close(batch.rewards, 2 * batch.rewards_per_func[:, 0] + batch.rewards_per_func[:, 1])
+    # prompts left-padded, completions right-padded: every completion starts in the same column
+    assert (batch.prompt_mask[:, -1] == 1).all() and (batch.completion_mask[:, 0] == 1).all()
+    assert batch.metrics["rewards/async_len/mean"] == pytest.approx(0.5 * lengths.mean().item())
+    assert batch.metrics["completions/mean_length"] == pytest.approx(batch.completion_mask.sum(1).float().mean().item())
+    assert batch.metrics["num_tokens"] == float(batch.prompt_mask.sum() + batch.completion_mask.sum())
+    # advantages are group-relative: zero mean within each group of 3
+    torch.testing.assert_close(batch.advantages.view(2, 3).sum(1), torch.zeros(2), atol=1e-5, rtol=0)
+
+
+def test_none_rewards_are_missing_not_zero(policy: torch.nn.Module) -> None:
+    def sometimes_none(completions, **kw):  # noqa: ANN001, ANN003
+        return [None if i % 3 == 0 else 1.0 + i for i in range(len(completions))]
+
+    batch = make(policy, [sometimes_none], scale_rewards="none").rollout([0, 1])
+    assert math.isnan(batch.rewards[0].item()) and math.isnan(batch.rewards[3].item())
+    assert batch.advantages[0].item() == 0.0 and batch.advantages[3].item() == 0.0
+    # baseline of group 0 is mean(2, 3) = 2.5, not mean(0, 2, 3)
+    assert batch.advantages[1].item() == pytest.approx(-0.5)
+    assert batch.metrics["reward"] == pytest.approx((2 + 3 + 5 + 6) / 4)
+
+
+def test_raising_reward_names_the_prompt_and_completion(policy: torch.nn.Module) -> None:
+    def picky(prompts, completions, **kw):  # noqa: ANN001, ANN003
+        return [1 / 0 if p.startswith("Q1") else 1.0 for p in prompts]
+
+    dm = make(policy, [picky], shuffle=False)
+    with pytest.raises(RewardFunctionError, match=r"reward function 'picky' raised ZeroDivisionError: .* on prompt 'Q1: 1\+1=\\n' with completion"):
+        dm.rollout([0, 1])
+
+    dm = make(policy, [picky, length_reward], shuffle=False, on_reward_error="skip")
+    batch = dm.rollout([0, 1])
+    col = batch.rewards_per_func[:, 0]
+    assert not torch.isnan(col[:3]).any() and torch.isnan(col[3:]).all()  # skipped, never scored 0
+    assert batch.metrics["rewards/picky/errors"] == 3.0
+    torch.testing.assert_close(batch.rewards[3:], batch.rewards_per_func[3:, 1])
+
+
+def test_wrong_reward_count_is_an_error(policy: torch.nn.Module) -> None:
+    def short(completions, **kw):  # noqa: ANN001, ANN003
+        return [1.0]
+
+    with pytest.raises(RewardFunctionError, match="'short' raised ValueError: reward function 'short' returned 1 rewards, expected 6"):
+        make(policy, [short]).rollout([0, 1])
+
+
+def test_bad_configuration_errors(policy: torch.nn.Module) -> None:
+    with pytest.raises(ValueError, match=r"needs a 'prompt' column .* got columns \['question', 'answer'\]"):
+        make(policy, [length_reward], dataset=[{"question": "x", "answer": "1"}])
+    with pytest.raises(ValueError, match="reward_weights needs one weight per reward function"):
+        make(policy, [length_reward], reward_weights=[1.0, 2.0])
+    with pytest.raises(ValueError, match="on_reward_error must be 'raise' or 'skip', got 'ignore'"):
+        RolloutDataModule(ROWS, [length_reward], on_reward_error="ignore")
+    with pytest.raises(ValueError, match="prompts_per_step must be >= 1, got 0"):
+        RolloutDataModule(ROWS, [length_reward], prompts_per_step=0)
+    with pytest.raises(ValueError, match="fewer than prompts_per_step=8"):
+        make(policy, [length_reward], prompts_per_step=8)
+
+
+def test_state_dict_resumes_the_same_next_batch(policy: torch.nn.Module) -> None:
+    dm = make(policy, [length_reward])
+    it = iter(dm.train_dataloader())
+    next(it)
+    state = dm.state_dict()
+    expected = next(it)
+    fresh = make(policy, [length_reward])
+    fresh.load_state_dict(state)
+    got = next(iter(fresh.train_dataloader()))
+    assert got.prompts == expected.prompts
+    torch.testing.assert_close(got.completion_ids, expected.completion_ids)
+    torch.testing.assert_close(got.sampling_logprobs, expected.sampling_logprobs)
+
+
+def test_epochs_cover_every_prompt_and_reshuffle(policy: torch.nn.Module) -> None:
+    dm = make(policy, [length_reward], num_generations=1, sampling=SamplingConfig(max_new_tokens=1))
+    assert dm.steps_per_epoch == 3
+    epochs = []
+    for _ in range(2):
+        batches = list(dm.train_dataloader())
+        epochs.append([p for b in batches for p in b.prompts])
+    assert sorted(epochs[0]) == sorted(r["prompt"] for r in ROWS) == sorted(epochs[1])
+    assert epochs[0] != epochs[1]
+    assert dm.state_dict()["epoch"] == 2
+
+
+def test_conversational_prompts_give_assistant_messages(policy: torch.nn.Module) -> None:
+    rows = [{"prompt": [{"role": "user", "content": f"say {i}"}]} for i in range(2)]
+
+    def text_len(completions, **kw):  # noqa: ANN001, ANN003
+        return [float(len(c[0]["content"])) for c in completions]
+
+    batch = make(policy, [text_len], dataset=rows).rollout([0, 1])
+    assert all(c[0]["role"] == "assistant" for c in batch.completions)
+    assert batch.prompts[0] == rows[0]["prompt"] or batch.prompts[0] == rows[1]["prompt"]
