@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch._dynamo
 from torch import Tensor, nn
 
 from lightning_tlt.models.runner import ModelRunner, is_supported, unwrap_model
@@ -350,9 +349,8 @@ class RolloutEngine:
         use_compile = on_cuda if self._compile is None else self._compile
         self._compiled = self._model_step
         if use_compile:
-            # one specialisation per batch bucket and profile: raise dynamo's per-function limit
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 128)
-            self._compiled = torch.compile(self._model_step, fullgraph=True, dynamic=False)
+            # the batch dimension turns dynamic after the second bucket: two compilations serve all buckets
+            self._compiled = torch.compile(self._model_step, fullgraph=True)
         self._pinned = [torch.zeros(slots, dtype=torch.bool, pin_memory=on_cuda) for _ in range(2)]
         self._pinned_next = 0
         self._layout = layout
@@ -419,7 +417,16 @@ class RolloutEngine:
             restore = self._snapshot()
             graphs.capture([profile], lambda _: fn)
             restore()
-        graphs.run(profile, fn)
+        try:
+            graphs.run(profile, fn)
+        except Exception as err:
+            if self._compiled is self._model_step:
+                raise
+            # a compiler failure must cost speed, not the rollout: continue uncompiled
+            warnings.warn(f"torch.compile of the decode step failed ({err!r}); running it uncompiled", stacklevel=2)
+            self._compiled = self._model_step
+            graphs.clear()
+            self._run_step(profile, fn)
 
     def _prefill(self, admitted: list[tuple[int, Request]]) -> None:
         """Fill the KV prefix (all prompt tokens but the last) of newly admitted slots.

@@ -1,0 +1,252 @@
+"""Decode throughput of `RolloutEngine` against HF ``generate`` as TRL's GRPOTrainer runs it.
+
+On the GPU (issue 9): a ~0.4 B zoo model (``build_model("qwen2", "400m", vocab_size=32000)``,
+random init, bf16), completions of ``--new-tokens`` tokens with no stop token, at several batch
+sizes; HF ``generate`` configured as TRL 1.16's ``GRPOTrainer`` configures it without vLLM
+(``do_sample=True``, temperature 1, top-p 1, top-k 0, the default dynamic cache,
+``disable_compile=True``), run for fewer tokens (``--hf-new-tokens``) because it is slow, so per-step
+figures are compared. Also: the weight-read floor (parameter bytes / measured copy bandwidth),
+graph capture and compile time, memory, and sanity checks (greedy parity with HF, seeded
+reproducibility). Prints a table and writes JSON to ``benchmarks/results/``.
+
+CPU smoke run (seconds): ``python benchmarks/engine.py --size tiny --smoke``.
+GPU run: ``python benchmarks/engine.py --size 400m``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import GenerationConfig
+
+from lightning_tlt.models.zoo import build_model
+from lightning_tlt.rollout.engine import RolloutEngine
+from lightning_tlt.rollout.types import SamplingConfig
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Measured device copy bandwidth in bytes/s (read + write counted)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(2):
+        dst.copy_(src)
+    _sync(device)
+    iters = 10
+    start = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    _sync(device)
+    return 2 * src.numel() * src.element_size() * iters / (time.perf_counter() - start)
+
+
+def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=g).tolist()
+
+
+def hf_trl_generate(model: Any, prompts: list[list[int]], new_tokens: int, device: torch.device) -> float:
+    """Seconds for HF ``generate`` with TRL GRPOTrainer's (no-vLLM) generation config."""
+    ids = torch.tensor(prompts, device=device)
+    mask = torch.ones_like(ids)
+    config = GenerationConfig(
+        max_new_tokens=new_tokens, do_sample=True, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+        temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, cache_implementation=None,
+        disable_compile=True,
+    )
+    _sync(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    _sync(device)
+    assert out.shape[1] == ids.shape[1] + new_tokens, out.shape
+    return time.perf_counter() - start
+
+
+def engine_generate(
+    engine: RolloutEngine, prompts: list[list[int]], new_tokens: int, seed: int
+) -> tuple[float, dict[str, float]]:
+    cfg = SamplingConfig(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new_tokens, stop_token_ids=[])
+    device = engine.device
+    _sync(device)
+    start = time.perf_counter()
+    out = engine.generate(prompts, cfg, generator=torch.Generator().manual_seed(seed))
+    _sync(device)
+    wall = time.perf_counter() - start
+    assert all(len(c) == new_tokens for c in out.completion_ids)
+    return wall, out.stats
+
+
+def sanity(model: Any, engine: RolloutEngine, vocab: int, device: torch.device) -> dict[str, Any]:
+    """Greedy parity with HF (bf16: reported, not asserted) and seeded reproducibility."""
+    prompts = random_prompts(4, 16, vocab, seed=1)
+    n = min(32, engine.max_seq_len - 16)
+    greedy = engine.generate(prompts, SamplingConfig(temperature=0.0, max_new_tokens=n, stop_token_ids=[]))
+    ids = torch.tensor(prompts, device=device)
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=n, eos_token_id=None, pad_token_id=0)[:, 16:].tolist()
+    prefix = []
+    for a, b in zip(greedy.completion_ids, ref):
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), n)
+        prefix.append(k)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=n, stop_token_ids=[])
+    a = engine.generate(prompts, cfg, generator=torch.Generator().manual_seed(3)).completion_ids
+    b = engine.generate(prompts, cfg, generator=torch.Generator().manual_seed(3)).completion_ids
+    c = engine.generate(prompts, cfg, generator=torch.Generator().manual_seed(4)).completion_ids
+    d = engine.generate(prompts, cfg, generator=torch.Generator().manual_seed(3)).completion_ids
+    with torch.no_grad():  # the engine's logits against HF's forward on the same tokens
+        full = torch.tensor([p + g for p, g in zip(prompts, greedy.completion_ids)], device=device)
+        hf_logits = model(full).logits[:, 15:-1].float()
+        from lightning_tlt.models.runner import ModelRunner
+        from lightning_tlt.rollout.kv_cache import KVCache
+
+        runner = ModelRunner(model)
+        s = runner.spec
+        cache = KVCache.allocate(s.num_layers, 4, full.shape[1], s.num_kv_heads, s.head_dim,
+                                 device=device, dtype=engine.dtype)
+        pos = torch.arange(full.shape[1], device=device)[None].expand(4, -1)
+        ours = runner.forward(full, pos, cache.k, cache.v).logits[:, 15:-1].float()
+    return {
+        "greedy_match_prefix_tokens": prefix,
+        "greedy_tokens": n,
+        "same_seed_same_rollouts": a == b == d,
+        "different_seed_differs": a != c,
+        "logits_max_abs_diff_vs_hf": float((hf_logits - ours).abs().max()),
+        "logits_argmax_agreement": float((hf_logits.argmax(-1) == ours.argmax(-1)).float().mean()),
+    }
+
+
+def bench_batch(
+    engine: RolloutEngine, model: Any, batch: int, args: argparse.Namespace, device: torch.device, floor_ms: float
+) -> dict[str, Any]:
+    """Engine and HF figures at one batch size."""
+    prompts = random_prompts(batch, args.prompt_len, args.vocab_size, seed=batch)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    cap0 = engine.graph_stats.get("capture_time_s", 0.0)
+    warm_wall, _ = engine_generate(engine, prompts, 4, seed=0)  # compile + capture this bucket
+    row: dict[str, Any] = {"batch": batch, "first_call_s": warm_wall,
+                           "capture_s": engine.graph_stats.get("capture_time_s", 0.0) - cap0}
+    wall, stats = engine_generate(engine, prompts, args.new_tokens, seed=1)
+    steps = args.new_tokens
+    row.update({
+        "engine_ms_per_step": wall / steps * 1e3,
+        "engine_tokens_per_s": batch * steps / wall,
+        "engine_prefill_s": stats.get("time_prefill_s", 0.0),
+        "floor_ratio": wall / steps * 1e3 / floor_ms,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    })
+    if not args.skip_hf:
+        hf_trl_generate(model, prompts, 4, device)  # warm-up
+        hf_wall = hf_trl_generate(model, prompts, args.hf_new_tokens, device)
+        row.update({
+            "hf_ms_per_step": hf_wall / args.hf_new_tokens * 1e3,
+            "hf_tokens_per_s": batch * args.hf_new_tokens / hf_wall,
+        })
+        row["speedup_vs_hf"] = row["hf_ms_per_step"] / row["engine_ms_per_step"]
+    print(
+        f"batch {batch:4d} | engine {row['engine_ms_per_step']:7.3f} ms/step {row['engine_tokens_per_s']:10.0f} tok/s"
+        + (f" | HF {row['hf_ms_per_step']:7.2f} ms/step {row['hf_tokens_per_s']:8.0f} tok/s"
+           f" | x{row['speedup_vs_hf']:.1f}" if "hf_ms_per_step" in row else "")
+        + f" | capture {row['capture_s']:.1f} s, first call {row['first_call_s']:.1f} s",
+        flush=True,
+    )
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="qwen2")
+    parser.add_argument("--size", default="400m")
+    parser.add_argument("--vocab-size", type=int, default=32000)
+    parser.add_argument("--batches", default="1,8,32,128,256")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=1024)
+    parser.add_argument("--hf-new-tokens", type=int, default=128)
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--no-graphs", action="store_true")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes for a CPU check in seconds")
+    parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/engine_<card>_<date>.json)")
+    args = parser.parse_args()
+    if args.smoke:
+        args.batches, args.new_tokens, args.hf_new_tokens, args.prompt_len = "1,4", 16, 8, 8
+        args.vocab_size = min(args.vocab_size, 128)
+    batches = [int(b) for b in args.batches.split(",")]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    t0 = time.perf_counter()
+    model = build_model(args.arch, args.size, vocab_size=args.vocab_size, seed=0).to(device=device, dtype=dtype)
+    model.eval()
+    build_s = time.perf_counter() - t0
+    params = sum(p.numel() for p in model.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth = copy_bandwidth(device, 2**31 if device.type == "cuda" else 2**26)
+    floor_ms = param_bytes / bandwidth * 1e3
+    max_seq = args.prompt_len + args.new_tokens
+    engine = RolloutEngine(
+        model, max_batch_size=max(batches), max_seq_len=max_seq,
+        use_cuda_graphs=False if args.no_graphs else None, compile=False if args.no_compile else None,
+    )
+    stamp = dt.datetime.now(dt.timezone.utc)
+    out_path = Path(args.out) if args.out else Path(__file__).parent / "results" / (
+        f"engine_{card.replace(' ', '_')}_{stamp:%Y%m%d_%H%M}{'_smoke' if args.smoke else ''}.json"
+    )
+    result: dict[str, Any] = {
+        "card": card, "torch": torch.__version__, "transformers": transformers.__version__,
+        "date": stamp.isoformat(timespec="seconds"), "device": str(device), "dtype": str(dtype),
+        "model": {"arch": args.arch, "size": args.size, "vocab_size": args.vocab_size, "params": params,
+                  "param_bytes": param_bytes, "build_s": build_s},
+        "settings": {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                     "hf_new_tokens": args.hf_new_tokens, "batches": batches, "smoke": args.smoke,
+                     "compile": not args.no_compile, "cuda_graphs": not args.no_graphs},
+        "copy_bandwidth_GBps": bandwidth / 1e9, "weight_read_floor_ms": floor_ms,
+        "kv_cache_bytes": None, "rows": [],
+    }
+
+    def dump() -> None:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(result, indent=2))
+        extra = os.environ.get("OUT")
+        if extra:
+            Path(extra, out_path.name).write_text(json.dumps(result, indent=2))
+
+    print(f"{card} | {params / 1e6:.0f} M params, floor {floor_ms:.3f} ms/step at {bandwidth / 1e9:.0f} GB/s")
+    for batch in batches:
+        try:
+            row = bench_batch(engine, model, batch, args, device, floor_ms)
+        except Exception as err:  # record and go on: one failed size must not lose the others
+            row = {"batch": batch, "error": repr(err)}
+            print(f"batch {batch}: FAILED {err!r}", flush=True)
+        result["rows"].append(row)
+        result["graphs"] = engine.graph_stats
+        result["kv_cache_bytes"] = engine._cache.nbytes if engine._cache is not None else None
+        dump()
+    try:
+        result["sanity"] = sanity(model, engine, args.vocab_size, device)
+    except Exception as err:  # report, do not lose the figures above
+        result["sanity"] = {"error": repr(err)}
+    result["graphs"] = engine.graph_stats
+    dump()
+    print("sanity:", json.dumps(result["sanity"]))
+    print("graphs:", json.dumps(result["graphs"]))
+    print("wrote", out_path)
+
+
+if __name__ == "__main__":
+    main()
