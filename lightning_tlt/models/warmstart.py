@@ -1,0 +1,338 @@
+"""Warm start: a zoo model fine-tuned on a task's worked solutions, cached on disk.
+
+No pretrained policy exists offline, so demos and benchmarks start RL from a zoo model trained
+with `lightning_tlt.rl.sft.SFTModule` (a real Lightning ``Trainer``) on the task's worked
+solutions. The result is saved as an HF directory keyed by every setting that changes it, so the
+second call with the same settings loads it instead of training.
+
+Command line (prints loss, held-out accuracy and time)::
+
+    python -m lightning_tlt.models.warmstart --task arithmetic --size small --steps 1500
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer
+from torch.utils.data import DataLoader
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from lightning_tlt.data.tasks import Task, get_task
+from lightning_tlt.models.tokenizer import build_tokenizer, encode_prompt
+from lightning_tlt.models.zoo import ZOO_SIZES, build_model, count_parameters, load_model, save_model
+from lightning_tlt.rl.sft import LengthGroupedBatchSampler, SFTCollator, SFTConfig, SFTModule
+
+log = logging.getLogger(__name__)
+
+WARMSTART_VERSION = "1"
+"""Bumped whenever the data, the model builder or the recipe change what a cached run holds."""
+
+METADATA_FILE = "warmstart.json"
+"""Written next to the weights: the settings, the loss curve summary and the training time."""
+
+
+def default_cache_dir() -> Path:
+    """``$LIGHTNING_TLT_CACHE`` if set, else ``~/.cache/lightning_tlt``."""
+    env = os.environ.get("LIGHTNING_TLT_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "lightning_tlt"
+
+
+def warm_start_key(settings: dict[str, Any]) -> str:
+    """Directory name of a cached run: readable settings plus a hash of all of them."""
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
+    return (
+        f"{settings['task']}-{settings['arch']}-{settings['size']}-d{settings['difficulty']}"
+        f"-s{settings['seed']}-{settings['steps']}steps-{digest}"
+    )
+
+
+def warm_start_dir(
+    task: str = "arithmetic",
+    arch: str = "qwen2",
+    size: str = "tiny",
+    *,
+    difficulty: int = 1,
+    seed: int = 0,
+    steps: int = 1500,
+    batch_size: int = 32,
+    lr: float = 2e-3,
+    cache_dir: str | Path | None = None,
+) -> Path:
+    """Where `warm_start` with these settings caches its result."""
+    settings = _settings(task, arch, size, difficulty, seed, steps, batch_size, lr)
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return root / warm_start_key(settings)
+
+
+def warm_start(
+    task: str = "arithmetic",
+    arch: str = "qwen2",
+    size: str = "tiny",
+    *,
+    difficulty: int = 1,
+    seed: int = 0,
+    steps: int = 1500,
+    batch_size: int = 32,
+    lr: float = 2e-3,
+    cache_dir: str | Path | None = None,
+    device: str = "cpu",
+    progress: bool = True,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A zoo model fine-tuned on ``task``'s worked solutions, trained once and then loaded from disk.
+
+    Trains ``size`` ``arch`` (seeded init) for ``steps`` AdamW steps of ``batch_size`` fresh worked
+    solutions (train split, ``difficulty``) with `SFTModule` under a Lightning ``Trainer``, then
+    saves model, tokenizer and `METADATA_FILE` under
+    ``cache_dir / warm_start_key(settings)``. A later call with the same settings loads that
+    directory (the log says which happened).
+
+    Args:
+        task: a registered task name (`lightning_tlt.data.tasks.TASKS`).
+        arch: zoo architecture (``qwen2``, ``llama``, ``qwen3``).
+        size: zoo size (see `lightning_tlt.models.zoo.ZOO_SIZES`).
+        difficulty: task difficulty of the training data.
+        seed: seed of the model init and of the data.
+        steps: optimizer steps.
+        batch_size: sequences per step.
+        lr: peak learning rate (cosine schedule, 5 % warmup).
+        cache_dir: root of the cache; default `default_cache_dir`.
+        device: ``"cpu"`` or ``"cuda"`` (bf16 mixed precision there).
+        progress: show Lightning's progress bar.
+
+    Returns:
+        ``(model, tokenizer)``, the model in eval mode on the CPU, float32.
+    """
+    settings = _settings(task, arch, size, difficulty, seed, steps, batch_size, lr)
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    directory = root / warm_start_key(settings)
+    if (directory / METADATA_FILE).is_file() and (directory / "config.json").is_file():
+        log.info("warm_start: loaded from cache %s", directory)
+        model, tokenizer = load_model(directory, dtype=torch.float32)
+        return model, tokenizer
+
+    log.info("warm_start: training %s (not in cache)", directory)
+    start = time.perf_counter()
+    model, tokenizer, history = _train(settings, device=device, progress=progress)
+    seconds = time.perf_counter() - start
+    tail = history[-max(1, len(history) // 20) :]
+    metadata = {
+        "settings": settings,
+        "parameters": count_parameters(model),
+        "first_loss": history[0],
+        "final_loss": sum(tail) / len(tail),
+        "train_seconds": round(seconds, 2),
+        "device": device,
+        "torch": torch.__version__,
+    }
+    # write into a private directory and rename: a concurrent reader never sees half a model
+    tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model(model, tokenizer, tmp)
+    (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2))
+    try:
+        os.replace(tmp, directory)
+    except OSError:  # another process cached the same run first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info(
+        "warm_start: trained in %.1f s, loss %.3f -> %.3f, saved to %s",
+        seconds,
+        history[0],
+        metadata["final_loss"],
+        directory,
+    )
+    return model.eval(), tokenizer
+
+
+def warm_start_metadata(directory: str | Path) -> dict[str, Any]:
+    """The `METADATA_FILE` of a cached warm start (settings, losses, training time)."""
+    return json.loads((Path(directory) / METADATA_FILE).read_text())
+
+
+def _settings(
+    task: str, arch: str, size: str, difficulty: int, seed: int, steps: int, batch_size: int, lr: float
+) -> dict[str, Any]:
+    get_task(task).check_difficulty(difficulty)
+    if size not in ZOO_SIZES:
+        raise ValueError(f"size must be one of {list(ZOO_SIZES)}, got {size!r}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr!r}")
+    return {
+        "task": get_task(task).name,
+        "arch": arch,
+        "size": size,
+        "difficulty": difficulty,
+        "seed": seed,
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "version": WARMSTART_VERSION,
+    }
+
+
+def _train(
+    settings: dict[str, Any], *, device: str, progress: bool
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, list[float]]:
+    task = get_task(settings["task"])
+    tokenizer = build_tokenizer()
+    model = build_model(settings["arch"], settings["size"], seed=settings["seed"]).train()
+    n = settings["steps"] * settings["batch_size"]
+    data = task.make_sft_dataset(n, difficulty=settings["difficulty"], seed=settings["seed"]).to_list()
+    # long solutions are cut at the task's length budget (they still teach the tail's start)
+    max_length = 64 + task.max_completion_tokens(settings["difficulty"])
+    collator = SFTCollator(tokenizer, max_length=max_length)
+    lengths = [len(row["prompt"]) + len(row["completion"]) for row in data]
+    sampler = LengthGroupedBatchSampler(lengths, settings["batch_size"], seed=settings["seed"])
+    loader = DataLoader(data, batch_sampler=sampler, collate_fn=collator)
+    module = SFTModule(model, SFTConfig(learning_rate=settings["lr"]))
+    trainer = Trainer(
+        accelerator=device,
+        devices=1,
+        precision="bf16-mixed" if device == "cuda" else "32-true",
+        max_steps=settings["steps"],
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=progress,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, train_dataloaders=loader)
+    return module.model.to("cpu").float().eval(), tokenizer, module.loss_history
+
+
+@torch.no_grad()
+def generate_completions(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Any],
+    *,
+    max_new_tokens: int,
+    batch_size: int = 64,
+) -> list[str]:
+    """Greedy completions of TRL prompts with HF ``generate`` (batched, left-padded), special tokens dropped."""
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id
+    texts: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        encoded = [encode_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
+        width = max(len(ids) for ids in encoded)
+        input_ids = torch.tensor(
+            [[pad] * (width - len(ids)) + ids for ids in encoded], device=device
+        )  # (B, P)
+        attention_mask = (
+            torch.arange(width, device=device)
+            >= torch.tensor([width - len(ids) for ids in encoded], device=device)[:, None]
+        ).long()
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=tokenizer.eos_token_id,
+        )  # (B, P + new)
+        texts += tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+    return texts
+
+
+def evaluate_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: str | Task = "arithmetic",
+    n: int = 200,
+    difficulty: int = 1,
+    seed: int = 0,
+    max_new_tokens: int | None = None,
+    *,
+    conversational: bool = False,
+    batch_size: int = 64,
+) -> float:
+    """Share of ``n`` held-out prompts (test split) that the model solves greedily (task's correctness reward).
+
+    ``max_new_tokens`` defaults to the task's `Task.max_completion_tokens` at ``difficulty``.
+    """
+    task = get_task(task)
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n!r}")
+    dataset = task.make_dataset(
+        n, difficulty=difficulty, seed=seed, conversational=conversational, split="test"
+    )
+    budget = max_new_tokens if max_new_tokens is not None else task.max_completion_tokens(difficulty)
+    was_training = model.training
+    model.eval()
+    completions = generate_completions(
+        model, tokenizer, list(dataset["prompt"]), max_new_tokens=budget, batch_size=batch_size
+    )
+    model.train(was_training)
+    columns = {k: list(dataset[k]) for k in dataset.column_names if k != "prompt"}
+    rewards = task.reward_funcs[0](list(dataset["prompt"]), completions, **columns)
+    return sum(rewards) / len(rewards)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m lightning_tlt.models.warmstart``: warm-start (or load) a policy, print loss, accuracy, time."""
+    parser = argparse.ArgumentParser(prog="lightning-tlt warmstart", description=main.__doc__)
+    parser.add_argument("--task", default="arithmetic")
+    parser.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen3"])
+    parser.add_argument("--size", default="small", choices=list(ZOO_SIZES))
+    parser.add_argument("--difficulty", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--eval-n", type=int, default=200, help="held-out prompts for the accuracy")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    common = dict(
+        difficulty=args.difficulty, seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr
+    )
+    start = time.perf_counter()
+    model, tokenizer = warm_start(
+        args.task,
+        args.arch,
+        args.size,
+        **common,
+        cache_dir=args.cache_dir,
+        device=args.device,
+        progress=not args.no_progress,
+    )
+    directory = warm_start_dir(args.task, args.arch, args.size, **common, cache_dir=args.cache_dir)
+    elapsed = time.perf_counter() - start
+    metadata = warm_start_metadata(directory)
+    eval_start = time.perf_counter()
+    accuracy = evaluate_accuracy(
+        model, tokenizer, args.task, n=args.eval_n, difficulty=args.difficulty, seed=args.seed + 1
+    )
+    eval_seconds = time.perf_counter() - eval_start
+    print(f"model      {args.arch}/{args.size}: {metadata['parameters']:,} parameters, {directory}")
+    print(f"loss       {metadata['first_loss']:.3f} -> {metadata['final_loss']:.3f} ({args.steps} steps)")
+    print(f"train time {metadata['train_seconds']:.1f} s (this call: {elapsed:.1f} s)")
+    print(
+        f"accuracy   {accuracy:.1%} on {args.eval_n} held-out {args.task} prompts (difficulty {args.difficulty}), "
+        f"greedy, {eval_seconds:.1f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
