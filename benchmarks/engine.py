@@ -130,6 +130,29 @@ def sanity(model: Any, engine: RolloutEngine, vocab: int, device: torch.device) 
     }
 
 
+def graph_replay_ms(engine: RolloutEngine, batch: int) -> float | None:
+    """GPU time of one replay of the decode graph of ``batch``'s bucket (no host loop around it).
+
+    Replays after a finished ``generate``: every row is finished, so the step only rewrites junk.
+    """
+    graphs = engine._graphs
+    if graphs is None or not graphs.enabled or engine.device.type != "cuda":
+        return None
+    bucket = graphs.bucket(batch)
+    graph = next((g for p, g in graphs._graphs.items() if p.phase == "decode" and p.batch == bucket), None)
+    if graph is None:
+        return None
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(50):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 50
+
+
 def bench_batch(
     engine: RolloutEngine, model: Any, batch: int, args: argparse.Namespace, device: torch.device, floor_ms: float
 ) -> dict[str, Any]:
@@ -150,6 +173,7 @@ def bench_batch(
         "floor_ratio": wall / steps * 1e3 / floor_ms,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     })
+    row["graph_replay_ms"] = graph_replay_ms(engine, batch)
     if not args.skip_hf:
         hf_trl_generate(model, prompts, 4, device)  # warm-up
         hf_wall = hf_trl_generate(model, prompts, args.hf_new_tokens, device)
@@ -162,7 +186,8 @@ def bench_batch(
         f"batch {batch:4d} | engine {row['engine_ms_per_step']:7.3f} ms/step {row['engine_tokens_per_s']:10.0f} tok/s"
         + (f" | HF {row['hf_ms_per_step']:7.2f} ms/step {row['hf_tokens_per_s']:8.0f} tok/s"
            f" | x{row['speedup_vs_hf']:.1f}" if "hf_ms_per_step" in row else "")
-        + f" | capture {row['capture_s']:.1f} s, first call {row['first_call_s']:.1f} s",
+        + f" | graph {row['graph_replay_ms'] or 0:.3f} ms | capture {row['capture_s']:.1f} s,"
+        f" first call {row['first_call_s']:.1f} s",
         flush=True,
     )
     return row

@@ -9,7 +9,7 @@ one CUDA graph per batch bucket (the gpt-fast recipe).
 Conventions:
 
 - Row ``i`` of a decode / verify batch is slot ``i`` of the KV cache (the scheduler keeps active
-  rows packed at the front), so a batch of ``B`` rows works on the cache view ``[:, :B]``.
+  rows packed at the front), so a batch of ``B`` rows works on each layer's cache view ``[:B]``.
 - ``positions[i, j]`` is the absolute position of token ``j`` of row ``i``; its key/value is
   written at that position and the query attends to every key at a position ``<=`` it.
 - The decoder-layer function `decoder_layer` runs any HF-named decoder layer (``self_attn.{q,k,v,
@@ -20,6 +20,7 @@ Conventions:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -259,8 +260,8 @@ class ModelRunner:
         self,
         tokens: Tensor,
         positions: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
+        k_cache: Sequence[Tensor],
+        v_cache: Sequence[Tensor],
         *,
         prefill: bool = False,
         logits: bool = True,
@@ -271,7 +272,8 @@ class ModelRunner:
         Args:
             tokens: ``(B, q)`` token ids; row ``i`` uses cache slot ``i``.
             positions: ``(B, q)`` absolute positions (decode: the row's cache length).
-            k_cache, v_cache: ``(L, S, T, n_kv, hd)`` with ``S >= B``.
+            k_cache, v_cache: per layer ``(S, T, n_kv, hd)`` with ``S >= B`` (separate tensors,
+                see `lightning_tlt.rollout.kv_cache`).
             prefill: the rows start at position 0 (``positions == arange(q)``): attention is causal
                 over the new keys only, which is cheaper than attending over the whole cache.
             logits: also compute the LM head.
@@ -283,7 +285,7 @@ class ModelRunner:
         spec = self.spec
         x = self.embed(tokens)  # (B, q, H)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling, x.dtype)
-        mask = None if prefill else attention_mask(positions, k_cache.shape[2])
+        mask = None if prefill else attention_mask(positions, k_cache[0].shape[1])
         layer_hidden: dict[int, Tensor] = {}
         if 0 in capture_layers:
             layer_hidden[0] = x

@@ -362,7 +362,9 @@ class RolloutEngine:
             self._graphs.clear()
         self._param_ptrs = ptrs
 
-    def _model_step(self, tokens: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def _model_step(
+        self, tokens: Tensor, positions: Tensor, k: list[Tensor], v: list[Tensor]
+    ) -> tuple[Tensor, Tensor]:
         assert self._runner is not None
         out = self._runner.forward(tokens, positions, k, v)
         assert out.logits is not None
@@ -475,7 +477,7 @@ class RolloutEngine:
             spec = runner.spec
             scratch = KVCache.allocate(
                 spec.num_layers, len(chunk), longest, spec.num_kv_heads, spec.head_dim,
-                device=device, dtype=cache.k.dtype,
+                device=device, dtype=cache.dtype,
             )
             positions = torch.arange(longest, device=device)[None].expand(len(chunk), longest)
             runner.forward(tokens.to(device), positions, scratch.k, scratch.v, prefill=True, logits=False)
