@@ -36,10 +36,12 @@ are the concatenation of those three HF ``hidden_states`` (``3H`` wide), fused b
 
 from __future__ import annotations
 
+import copy as copy_module
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -120,6 +122,8 @@ class EagleBatch:
     loss_mask: Tensor
     """``(B, T-1)`` bool: rows whose input token ``x_{t+1}`` is a completion token (where the engine
     drafts), with ``h_{t+1}`` a real position."""
+    attention_mask: Tensor | None = None
+    """``(B, T-1)`` bool: real rows (``None``: all); padding rows are never attended to."""
 
 
 def align_for_eagle(
@@ -129,6 +133,7 @@ def align_for_eagle(
     *,
     last_features: Tensor | None = None,
     position_ids: Tensor | None = None,
+    attention_mask: Tensor | None = None,
 ) -> EagleBatch:
     """Pair features and tokens the way the drafter is fed (see the module docstring).
 
@@ -139,6 +144,8 @@ def align_for_eagle(
         last_features: ``(B, T, H)`` the last-layer features (the regression target), when
             ``features`` are EAGLE-3's concatenation; ``None``: ``features`` themselves.
         position_ids: ``(B, T)`` positions; ``None``: ``0..T-1``.
+        attention_mask: ``(B, T)`` 1 on real tokens (right padding only: positions count from the
+            first column); ``None``: all real.
     """
     if tokens.dim() != 2 or features.shape[:2] != tokens.shape or completion_mask.shape != tokens.shape:
         raise ValueError(
@@ -148,12 +155,19 @@ def align_for_eagle(
     if position_ids is None:
         position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
     last = features if last_features is None else last_features
+    loss_mask = completion_mask[:, 1:].bool()
+    real = None
+    if attention_mask is not None:
+        real = attention_mask.bool()
+        loss_mask = loss_mask & real[:, 1:]
+        real = real[:, :-1]
     return EagleBatch(
         features=features[:, :-1],
         input_ids=tokens[:, 1:],
         position_ids=position_ids[:, :-1],
         target_features=last[:, 1:],
-        loss_mask=completion_mask[:, 1:].bool(),
+        loss_mask=loss_mask,
+        attention_mask=real,
     )
 
 
@@ -286,20 +300,36 @@ class EagleDrafter(nn.Module):
         "eagle", "model": path, ...}`` or `from_pretrained`. An EAGLE-3 drafter also writes
         ``fuse.weight`` and ``eagle_feature_layers`` (for this kit; vLLM's EAGLE-1 loader does not
         read them)."""
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        config = self.config.to_dict()
-        for key in ("layer_types", "transformers_version", "_name_or_path"):
-            config.pop(key, None)
-        config["architectures"] = ["LlamaForCausalLM"]
-        config["num_hidden_layers"] = 1
-        config["dtype"] = str(self.fc.weight.dtype).removeprefix("torch.")
-        if self.feature_layers is not None:
-            config["eagle_feature_layers"] = list(self.feature_layers)
-        (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(tensors, str(path / SAFETENSORS_NAME), metadata={"format": "pt"})
-        return path
+        return write_eagle_dir(path, self.config.to_dict(), self.state_dict(), self.feature_layers)
+
+    def inference_copy(self) -> EagleDrafter:
+        """A frozen (no grad, eval) copy of the drafter's own weights, sharing the same embedding and head.
+
+        What an engine drafts with while this one trains (`lightning_tlt.callbacks.drafter_cotrain`).
+        """
+        copy = EagleDrafter(
+            self.config,
+            self._embed_tokens,
+            self._lm_head,
+            self.inv_freq,
+            self.rope_scaling,
+            self.feature_layers,
+        )
+        copy.load_state_dict(self.state_dict())
+        copy.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+        copy.requires_grad_(False)
+        return copy.eval()
+
+    def __deepcopy__(self, memo: dict[int, object]) -> EagleDrafter:
+        # a deep copy must not copy the policy's embedding and head (they are shared, not owned)
+        memo[id(self._embed_tokens)] = self._embed_tokens
+        memo[id(self._lm_head)] = self._lm_head
+        cls = type(self)
+        new = cls.__new__(cls)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = copy_module.deepcopy(value, memo)
+        return new
 
     # ------------------------------------------------------------------ shared weights
     @property
@@ -439,6 +469,33 @@ class EagleDrafter(nn.Module):
             feats = torch.cat([feats, pred[:, -1:]], dim=1)
             inputs = torch.cat([inputs, d[:, None]], dim=1)
         return torch.stack(drafted, 1), torch.stack(probs, 1)
+
+
+def write_eagle_dir(
+    path: str | Path,
+    config: dict[str, Any],
+    state_dict: Mapping[str, Tensor],
+    feature_layers: Sequence[int] | None = None,
+) -> Path:
+    """Write an EAGLE draft directory from a drafter's config dict and weights (`EagleDrafter.save_pretrained`).
+
+    Used directly by `lightning_tlt.drafters.export` to export from a checkpoint without the policy.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = dict(config)
+    for key in ("layer_types", "transformers_version", "_name_or_path", "eagle_feature_layers"):
+        config.pop(key, None)
+    config["architectures"] = ["LlamaForCausalLM"]
+    config["model_type"] = "llama"
+    config["num_hidden_layers"] = 1
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state_dict.items()}
+    config["dtype"] = str(tensors["fc.weight"].dtype).removeprefix("torch.")
+    if feature_layers is not None:
+        config["eagle_feature_layers"] = list(feature_layers)
+    (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(tensors, str(path / SAFETENSORS_NAME), metadata={"format": "pt"})
+    return path
 
 
 def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
