@@ -19,6 +19,10 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The tests use tiny models, whose ops are too small to gain from intra-op threads, and CI/dev machines
+# are small and shared: oversubscribed OpenMP threads were measured 5-10x slower than one thread here.
+torch.set_num_threads(int(os.environ.get("LIGHTNING_TLT_TEST_THREADS", "1")))
+
 
 @pytest.fixture(scope="session")
 def tokenizer() -> PreTrainedTokenizerFast:
