@@ -328,6 +328,10 @@ class VLLMRolloutEngine:
         enable_sleep_mode: allow `sleep`/`wake_up` (CUDA/ROCm/XPU only; ignored with a warning
             elsewhere).
         dynamic_speculation: pass TLT's batch-size schedule (`draft_schedule`) to vLLM.
+        max_batch_size: most sequences vLLM runs at once (its ``max_num_seqs``); ``None``: vLLM's default.
+        auto_sync: before each ``generate``, push the held policy's weights if any parameter was
+            modified in place since the last push (an optimizer step bumps every tensor's version
+            counter), so that the engine follows training like the native one, with no hook.
         **llm_kwargs: passed to ``vllm.LLM`` as they are (``tensor_parallel_size``,
             ``max_num_seqs``, ``distributed_executor_backend``, ...).
     """
@@ -345,10 +349,14 @@ class VLLMRolloutEngine:
         seed: int = 0,
         enable_sleep_mode: bool = False,
         dynamic_speculation: bool = True,
+        max_batch_size: int | None = None,
+        auto_sync: bool = True,
         **llm_kwargs: Any,
     ) -> None:
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len!r}")
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size!r}")
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
         if "worker_extension_cls" in llm_kwargs:
@@ -403,11 +411,44 @@ class VLLMRolloutEngine:
             speculative_config=speculative_config(self.speculative, dynamic=dynamic_speculation),
             disable_log_stats=False,  # keeps the speculation counters that `stats` reports
         )
+        if max_batch_size is not None:
+            kwargs["max_num_seqs"] = max_batch_size
         kwargs.update(llm_kwargs)
         self.llm: LLM = vllm.LLM(**kwargs)
         self._sampling_params_cls = vllm.SamplingParams
+        self.auto_sync = auto_sync
         self.policy_version = 0
-        self.drafter_version = 0
+        self._drafter_version = 0
+        self._drafter: nn.Module | None = None
+        self._synced_versions = self._param_versions()
+
+    # ------------------------------------------------------------------ the native engine's attributes
+    @property
+    def device(self) -> torch.device:
+        """Where ``generate``'s generator lives: seeds are drawn on the CPU (vLLM samples itself)."""
+        return torch.device("cpu")
+
+    @property
+    def drafter(self) -> nn.Module | None:
+        """The last drafter published with the `drafter_version` protocol of
+        `lightning_tlt.callbacks.drafter_cotrain.publish_drafter` (``None`` before)."""
+        return self._drafter
+
+    @drafter.setter
+    def drafter(self, value: nn.Module | None) -> None:
+        self._drafter = value
+
+    @property
+    def drafter_version(self) -> int:
+        """Version of the drafter in vLLM. Setting it publishes `drafter`'s current weights to vLLM
+        (``publish_drafter`` sets ``engine.drafter`` or updates it in place, then the version)."""
+        return self._drafter_version
+
+    @drafter_version.setter
+    def drafter_version(self, version: int) -> None:
+        if self._drafter is not None:
+            self.update_drafter_weights(self._drafter)
+        self._drafter_version = int(version)
 
     # ------------------------------------------------------------------ construction helpers
     def _materialize(self, model_or_path: nn.Module | str | os.PathLike[str], tokenizer: Any) -> Path:
@@ -497,6 +538,8 @@ class VLLMRolloutEngine:
         sampling = sampling or SamplingConfig()
         ids = self._validate(prompts, sampling, num_samples)
         self._ensure_awake()
+        if self.auto_sync and self._policy is not None and self._param_versions() != self._synced_versions:
+            self.update_policy_weights(self._policy)
         seeds = torch.randint(0, 2**62, (len(ids),), generator=generator).tolist()
         # greedy samples are all alike (and vLLM refuses n > 1 without sampling): decode once, copy
         n = 1 if sampling.greedy else num_samples
@@ -532,7 +575,7 @@ class VLLMRolloutEngine:
             "wall_time_s": wall,
             "tokens_per_s": generated / wall if wall > 0 else 0.0,
             "policy_version": float(self.policy_version),
-            "drafter_version": float(self.drafter_version),
+            "drafter_version": float(self._drafter_version),
         }
         if self.speculative.enabled:
             drafts, drafted, accepted = (a - b for a, b in zip(after, before))
@@ -630,8 +673,15 @@ class VLLMRolloutEngine:
         count = self._push(named_weights(model), draft=False)
         if isinstance(model, nn.Module):
             self._policy = model  # scores speculative logprobs, re-pushed after a level-2 sleep
+            self._synced_versions = self._param_versions()
         self.policy_version += 1
         return count
+
+    def _param_versions(self) -> tuple[int, ...]:
+        """In-place modification counters of the held policy's parameters (empty without one)."""
+        if self._policy is None:
+            return ()
+        return tuple(p._version for p in _unwrap(self._policy).parameters())
 
     def update_drafter_weights(
         self, drafter: nn.Module | Mapping[str, Tensor] | str | os.PathLike[str]
@@ -656,7 +706,7 @@ class VLLMRolloutEngine:
             )
         self._ensure_awake()
         count = self._push(_drafter_weights(drafter), draft=True)
-        self.drafter_version += 1
+        self._drafter_version += 1
         return count
 
     def drafter_state(self) -> dict[str, Tensor]:

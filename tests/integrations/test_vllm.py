@@ -311,6 +311,20 @@ class TestPlainEngine:
         engine.update_policy_weights(policy)  # and back
         assert engine.generate(PROMPTS, GREEDY).completion_ids == before
 
+    def test_in_place_optimizer_updates_are_followed(self, engine, policy) -> None:
+        before = engine.generate(PROMPTS, GREEDY)
+        original = {k: v.clone() for k, v in policy.state_dict().items()}
+        new = build_model("qwen2", "tiny", seed=2)
+        optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+        for p, q in zip(policy.parameters(), new.parameters()):
+            p.grad = p.detach() - q.detach()  # one SGD step of lr 1 lands exactly on `new`
+        optimizer.step()
+        after = engine.generate(PROMPTS, GREEDY)  # auto_sync pushes the stepped weights first
+        assert after.completion_ids == hf_greedy(new, PROMPTS, 16) != before.completion_ids
+        assert after.stats["policy_version"] == before.stats["policy_version"] + 1
+        policy.load_state_dict(original)
+        assert engine.generate(PROMPTS, GREEDY).completion_ids == before.completion_ids
+
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (its tests run in .ci/run-vllm's venv)")
@@ -344,6 +358,28 @@ class TestEagleEngine:
         assert hot.stats["spec_accepted_tokens"] == hot.stats["spec_draft_tokens"] > 0  # every draft accepted
         assert hot.stats["spec_mean_accepted_length"] == 4.0 and hot.stats["drafter_version"] == 1.0
 
+    def test_publish_drafter_protocol_pushes_the_drafter(self, engine, policy) -> None:
+        from lightning_tlt.callbacks.drafter_cotrain import publish_drafter
+        from lightning_tlt.drafters.eagle import EagleDrafter
+
+        target = bigram_target(policy)
+        engine.update_policy_weights(target)
+        drafter = EagleDrafter.from_target(target, generator=torch.Generator().manual_seed(3))
+        engine.update_drafter_weights(drafter)  # a cold drafter, from the module
+        cold = engine.generate(PROMPTS, GREEDY)
+        assert cold.stats["spec_acceptance_rate"] < 0.2
+        h = target.config.hidden_size
+        with torch.no_grad():  # the perfect drafter of the bigram target (see write_eagle_layout)
+            drafter.fc.weight.copy_(torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1))
+            drafter.layers[0].self_attn.o_proj.weight.zero_()
+            drafter.layers[0].self_attn.o_proj.bias.zero_()
+            drafter.layers[0].mlp.down_proj.weight.zero_()
+        publish_drafter(engine, drafter, version=7)
+        hot = engine.generate(PROMPTS, GREEDY)
+        assert hot.completion_ids == cold.completion_ids == hf_greedy(target, PROMPTS, 16)
+        assert hot.stats["spec_accepted_tokens"] == hot.stats["spec_draft_tokens"] > 0
+        assert engine.drafter_version == 7 and hot.stats["drafter_version"] == 7.0
+
     def test_sampled_logprobs_are_finite_policy_logprobs(self, engine) -> None:
         sampling = SamplingConfig(temperature=1.0, max_new_tokens=8)
         out = engine.generate(PROMPTS, sampling, num_samples=2, generator=torch.Generator().manual_seed(0))
@@ -359,10 +395,21 @@ class TestNgramEngine:
     def engine(self, policy: PreTrainedModel):
         from lightning_tlt.integrations.vllm import VLLMRolloutEngine
 
+        # this one runs vLLM inside the test process (TRL's colocate setup): weights travel as tensors
+        previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         spec = SpeculativeConfig(method="suffix", num_draft_tokens=3, threshold=2)
-        engine = VLLMRolloutEngine(policy, speculative=spec, **ENGINE_KW)
-        yield engine
-        engine.close()
+        try:
+            engine = VLLMRolloutEngine(
+                policy, speculative=spec, distributed_executor_backend="uni", **ENGINE_KW
+            )
+            yield engine
+            engine.close()
+        finally:
+            if previous is None:
+                os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+            else:
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
 
     def test_ngram_greedy_matches_plain_and_speculates(self, engine, policy) -> None:
         sampling = SamplingConfig(temperature=0.0, max_new_tokens=32, stop_token_ids=[])
@@ -375,3 +422,11 @@ class TestNgramEngine:
         out = engine.generate(PROMPTS, sampling)  # 3 rows > threshold 2 for the whole call
         assert out.completion_ids == hf_greedy(policy, PROMPTS, 32)
         assert out.stats["spec_draft_tokens"] == 0.0
+
+    def test_in_process_policy_update(self, engine, policy) -> None:
+        assert engine._in_process()  # tensors handed over as they are, no serialisation
+        new = build_model("qwen2", "tiny", seed=4)
+        engine.update_policy_weights(new)
+        assert engine.generate(PROMPTS, GREEDY).completion_ids == hf_greedy(new, PROMPTS, 16)
+        engine.update_policy_weights(policy)
+        assert engine.generate(PROMPTS, GREEDY).completion_ids == hf_greedy(policy, PROMPTS, 16)
