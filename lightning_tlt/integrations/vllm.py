@@ -301,12 +301,6 @@ class TLTWorkerExtension:
             finalize_layerwise_reload(model, spec.draft_model_config)
         return len(weights)
 
-    def tlt_draft_state(self) -> bytes:
-        """The draft model's parameters as vLLM holds them, serialised by `encode_weights`."""
-        worker: Any = self
-        model = worker.get_draft_model()
-        return encode_weights([] if model is None else model.named_parameters())
-
 
 # ---------------------------------------------------------------------------- the engine
 class VLLMRolloutEngine:
@@ -333,7 +327,8 @@ class VLLMRolloutEngine:
             modified in place since the last push (an optimizer step bumps every tensor's version
             counter), so that the engine follows training like the native one, with no hook.
         **llm_kwargs: passed to ``vllm.LLM`` as they are (``tensor_parallel_size``,
-            ``max_num_seqs``, ``distributed_executor_backend``, ...).
+            ``distributed_executor_backend``, ...); ``worker_extension`` replaces the worker
+            extension class (a subclass of `TLTWorkerExtension`).
     """
 
     def __init__(
@@ -708,10 +703,6 @@ class VLLMRolloutEngine:
         count = self._push(_drafter_weights(drafter), draft=True)
         self._drafter_version += 1
         return count
-
-    def drafter_state(self) -> dict[str, Tensor]:
-        """The draft model's parameters as vLLM holds them (vLLM's names), copied to the CPU."""
-        return dict(decode_weights(self.llm.collective_rpc("tlt_draft_state")[0]))
 
     # ------------------------------------------------------------------ sleep / wake
     def sleep(self, level: int = 1) -> None:
