@@ -32,6 +32,7 @@ from lightning_tlt.rollout.cuda_graphs import CUDAGraphBackend, CUDAGraphProfile
 from lightning_tlt.rollout.kv_cache import KVCache, kv_bytes_per_slot
 from lightning_tlt.rollout.sampling import processed_probs, sample, token_logprobs
 from lightning_tlt.rollout.scheduler import Request, SlotScheduler
+from lightning_tlt.rollout.spec_decode import SpecDecoder, default_drafter
 from lightning_tlt.rollout.types import (
     FinishReason,
     RolloutOutput,
@@ -153,6 +154,17 @@ class RolloutEngine:
         self._max_batch_size = max_batch_size
         self._listeners: list[StepListener] = []
         self._runner = ModelRunner(model) if is_supported(model) else None
+        self.drafter: Any = default_drafter(self.speculative, model) if self.speculative.enabled else None
+        """What speculation drafts with (`SuffixDrafter`, a frozen `EagleDrafter`, ...); replaceable,
+        e.g. by `lightning_tlt.callbacks.drafter_cotrain.publish_drafter`."""
+        self.drafter_version = 0
+        """Version of the published drafter weights (set by whoever publishes them)."""
+        self._spec: SpecDecoder | None = None
+        if self.speculative.enabled and self._runner is None:
+            warnings.warn(
+                f"{type(unwrap_model(model)).__name__} runs on the generic HF path, which does not speculate",
+                stacklevel=2,
+            )
         self._cache: KVCache | None = None
         self._state: _DecodeState | None = None
         self._graphs: CUDAGraphProfileCache | None = None
@@ -161,6 +173,7 @@ class RolloutEngine:
         self._layout: tuple[Any, ...] = ()
         self._param_ptrs: tuple[int, ...] = ()
         self._scheduler = SlotScheduler(1)
+        self._prompt_features: dict[int, Tensor] = {}
         self._pinned: list[Tensor] = []
         self._pinned_next = 0
         self.last_stats: dict[str, float] = {}
@@ -269,7 +282,8 @@ class RolloutEngine:
         device = self.device
         if self._gen is None or self._gen.device != device:
             self._gen = torch.Generator(device)
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
+        source = "cpu" if generator is None else generator.device
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=source).item())
         self._gen.manual_seed(seed)
         return self._gen
 
@@ -318,7 +332,8 @@ class RolloutEngine:
             return
         slots = self.num_slots
         # positions padded to a multiple of 64: aligned attention masks keep SDPA's fused kernels eligible
-        cache_len = -(-self.max_seq_len // 64) * 64
+        room = (self.speculative.num_draft_tokens or max(self.speculative.draft_candidates)) + 1
+        cache_len = -(-(self.max_seq_len + (room if self.speculative.enabled else 0)) // 64) * 64
         self._cache = KVCache.allocate(
             spec.num_layers, slots, cache_len, spec.num_kv_heads, spec.head_dim, device=device, dtype=dtype
         )
@@ -351,6 +366,9 @@ class RolloutEngine:
         if use_compile:
             # the batch dimension turns dynamic after the second bucket: two compilations serve all buckets
             self._compiled = torch.compile(self._model_step, fullgraph=True)
+        if self.speculative.enabled:
+            self._spec = SpecDecoder(self, self.speculative)
+            self._spec.allocate(slots, cache_len, device, dtype)
         self._pinned = [torch.zeros(slots, dtype=torch.bool, pin_memory=on_cuda) for _ in range(2)]
         self._pinned_next = 0
         self._layout = layout
@@ -402,11 +420,14 @@ class RolloutEngine:
         """Save the step state (and generator) so a graph warm-up leaves no trace; returns the restore."""
         st = self._state
         assert st is not None and self._gen is not None
-        saved = [t.clone() for t in st.tensors()] + [st.hidden.clone()]
+        tensors = [*st.tensors(), st.hidden]
+        if self._spec is not None and self._spec.buffers is not None:
+            tensors += self._spec.buffers.state_tensors()
+        saved = [t.clone() for t in tensors]
         gen_state = self._gen.get_state()
 
         def restore() -> None:
-            for t, s in zip([*st.tensors(), st.hidden], saved):
+            for t, s in zip(tensors, saved):
                 t.copy_(s)
             self._gen.set_state(gen_state)  # type: ignore[union-attr]
 
@@ -480,11 +501,17 @@ class RolloutEngine:
                 device=device, dtype=cache.dtype,
             )
             positions = torch.arange(longest, device=device)[None].expand(len(chunk), longest)
-            runner.forward(tokens.to(device), positions, scratch.k, scratch.v, prefill=True, logits=False)
+            out = runner.forward(tokens.to(device), positions, scratch.k, scratch.v, prefill=True, logits=False)
+            last = torch.tensor([len(prompt_of[p]) - 2 for p in chunk], device=device)
+            features = out.hidden[torch.arange(len(chunk), device=device), last]  # (Bp, H)
+            for row, p in enumerate(chunk):  # what an EAGLE drafter reads first (no re-prefill needed)
+                self._prompt_features[p] = features[row]
             dst = [s for p in chunk for s in by_prompt[p]]
             src = [row for row, p in enumerate(chunk) for _ in by_prompt[p]]
             cache.write_prefix(torch.tensor(dst, device=device), scratch.k, scratch.v, torch.tensor(src, device=device))
         slots = torch.tensor([s for s, _ in admitted], device=device)
+        zero = st.hidden.new_zeros(st.hidden.shape[1])
+        st.hidden[slots] = torch.stack([self._prompt_features.get(r.prompt_index, zero) for _, r in admitted])
         st.tokens[slots] = torch.tensor([r.prompt[-1] for _, r in admitted], device=device)
         st.positions[slots] = torch.tensor([len(r.prompt) - 1 for _, r in admitted], device=device)
         st.num_generated[slots] = 0
@@ -511,6 +538,10 @@ class RolloutEngine:
         bar = self._progress_bar(len(requests) * sampling.max_new_tokens)
         counters = {"step": 0, "tokens": 0}
         pending: deque[_Pending] = deque()
+        spec = self._spec
+        self._prompt_features = {}
+        if spec is not None:
+            spec.begin()
         start = last = time.perf_counter()
         while True:
             admitted = sched.admit()
@@ -523,11 +554,34 @@ class RolloutEngine:
                 self._emit(StepEvent(counters["step"], "prefill", sched.num_active, sched.num_queued,
                                      sched.num_slots, dt))
             n = sched.num_active
+            if n and spec is not None and spec.wants(n):
+                while pending:  # speculation reads the rows' state: settle the plain steps in flight
+                    now = time.perf_counter()
+                    self._process(pending.popleft(), results, timers, counters, bar, now - last)
+                    last = now
+                n = sched.num_active
+                if n == 0:
+                    continue
+                new_tokens, dt = spec.step(n, sampling, sampling_key)
+                done_slots = st.finished[:n].nonzero().flatten().tolist()
+                if done_slots:
+                    self._harvest(done_slots, results)
+                timers.add("speculative", dt)
+                counters["step"] += 1
+                counters["tokens"] += new_tokens
+                if bar is not None:
+                    bar.update(new_tokens)
+                last = time.perf_counter()
+                self._emit(StepEvent(counters["step"], "speculative", sched.num_active, sched.num_queued,
+                                     sched.num_slots, dt, new_tokens=new_tokens))
+                continue
             if n:
                 batch = graphs.bucket(n)
                 profile = GraphProfile("decode", batch, 1, sampling_key)
                 self._run_step(profile, lambda b=batch: self._decode_step(b, sampling))
                 pending.append(self._flags(list(sched.active)))
+                if spec is not None:
+                    spec.plain_step()
             if not pending:
                 break
             # process the previous step's flags while this one runs (one step of lag, no bubble)
@@ -576,6 +630,8 @@ class RolloutEngine:
             self._harvest([slot_of[r.index] for r in ended], results)
         sched = self._scheduler
         timers.add("decode", dt)
+        if self._spec is not None:
+            self._spec.metrics.update_step(False, "decode", new_tokens, dt)
         counters["step"] += 1
         counters["tokens"] += new_tokens
         if bar is not None:
@@ -595,11 +651,15 @@ class RolloutEngine:
         finished, moves = sched.release(done_slots)
         for request, c, t, lp in zip(finished, counts, toks, lps):
             results[request.index] = (t[:c], lp[:c])
+        if self._spec is not None:
+            self._spec.finished(finished)
         if moves:
             src = torch.tensor([s for s, _ in moves], device=idx.device)
             dst = torch.tensor([d for _, d in moves], device=idx.device)
             cache.copy_slots(dst, src)
             st.move_rows(src, dst)
+            if self._spec is not None:
+                self._spec.move_rows(src, dst)
         st.finished[sched.num_active :] = True
 
     def _output(
@@ -627,6 +687,8 @@ class RolloutEngine:
         for phase, seconds in timers.phase_s.items():
             stats[f"time_{phase}_s"] = seconds
             stats[f"steps_{phase}"] = float(timers.steps[phase])
+        if self._spec is not None and self._runner is not None:
+            stats.update(self._spec.stats())
         if self._graphs is not None and self._graphs.enabled:
             stats.update({f"graphs_{k}": float(v) for k, v in self._graphs.stats.as_dict().items()})
         self.last_stats = stats
