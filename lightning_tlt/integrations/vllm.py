@@ -579,7 +579,10 @@ class VLLMRolloutEngine:
                 spec_draft_tokens=drafted,
                 spec_accepted_tokens=accepted,
                 spec_acceptance_rate=accepted / drafted if drafted > 0 else 0.0,
-                spec_mean_accepted_length=1.0 + accepted / drafts if drafts > 0 else 1.0,
+                # tokens per speculative row-step (accepted + the bonus token), as `engine_metrics` reads
+                spec_accept_len=1.0 + accepted / drafts if drafts > 0 else 1.0,
+                # share of row-steps that drafted (each row-step yields 1 + its accepted tokens)
+                spec_fraction=drafts / (generated - accepted) if generated > accepted else 0.0,
             )
         self.last_stats = stats
         event = StepEvent(

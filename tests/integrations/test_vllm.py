@@ -356,7 +356,9 @@ class TestEagleEngine:
         hot = engine.generate(PROMPTS, GREEDY)
         assert hot.completion_ids == ref  # speculation never changes what is sampled
         assert hot.stats["spec_accepted_tokens"] == hot.stats["spec_draft_tokens"] > 0  # every draft accepted
-        assert hot.stats["spec_mean_accepted_length"] == 4.0 and hot.stats["drafter_version"] == 1.0
+        assert hot.stats["spec_accept_len"] == 4.0 and hot.stats["drafter_version"] == 1.0
+        # every row-step after the prefill drafts
+        assert hot.stats["spec_fraction"] > 0.9
 
     def test_publish_drafter_protocol_pushes_the_drafter(self, engine, policy) -> None:
         from lightning_tlt.callbacks.drafter_cotrain import publish_drafter
@@ -421,7 +423,7 @@ class TestNgramEngine:
         sampling = SamplingConfig(temperature=0.0, max_new_tokens=32, stop_token_ids=[])
         out = engine.generate(PROMPTS, sampling)  # 3 rows > threshold 2 for the whole call
         assert out.completion_ids == hf_greedy(policy, PROMPTS, 32)
-        assert out.stats["spec_draft_tokens"] == 0.0
+        assert out.stats["spec_draft_tokens"] == 0.0 and out.stats["spec_fraction"] == 0.0
 
     def test_in_process_policy_update(self, engine, policy) -> None:
         assert engine._in_process()  # tensors handed over as they are, no serialisation
