@@ -88,7 +88,7 @@ def warm_start(
     cache_dir: str | Path | None = None,
     device: str = "cpu",
     progress: bool = True,
-    cpu_threads: int | None = None,
+    cpu_threads: int | None = 1,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A zoo model fine-tuned on ``task``'s worked solutions, trained once and then loaded from disk.
 
@@ -110,9 +110,10 @@ def warm_start(
         cache_dir: root of the cache; default `default_cache_dir`.
         device: ``"cpu"`` or ``"cuda"`` (bf16 mixed precision there).
         progress: show Lightning's progress bar.
-        cpu_threads: torch intra-op threads while training (restored afterwards); ``None`` keeps
-            torch's setting. On a CPU shared with other jobs, 1 thread is often several times
-            faster than oversubscribed OpenMP threads.
+        cpu_threads: torch intra-op threads while training on the CPU (restored afterwards);
+            ``None`` keeps torch's setting. The zoo's small models gain little from threads, and
+            on a CPU shared with other jobs one thread was measured 5-10x faster than two
+            oversubscribed OpenMP threads.
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode on the CPU, float32.
@@ -120,6 +121,8 @@ def warm_start(
     settings = _settings(task, arch, size, difficulty, seed, steps, batch_size, lr)
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if cpu_threads is not None and cpu_threads < 1:
+        raise ValueError(f"cpu_threads must be >= 1 or None, got {cpu_threads!r}")
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     directory = root / warm_start_key(settings)
     if (directory / METADATA_FILE).is_file() and (directory / "config.json").is_file():
@@ -130,10 +133,9 @@ def warm_start(
     log.info("warm_start: training %s (not in cache)", directory)
     start = time.perf_counter()
     previous_threads = torch.get_num_threads()
-    if cpu_threads is not None:
-        if cpu_threads < 1:
-            raise ValueError(f"cpu_threads must be >= 1 or None, got {cpu_threads!r}")
+    if cpu_threads is not None and device == "cpu":
         torch.set_num_threads(cpu_threads)
+    train_threads = torch.get_num_threads()
     try:
         model, tokenizer, history = _train(settings, device=device, progress=progress)
     finally:
@@ -147,7 +149,7 @@ def warm_start(
         "final_loss": sum(tail) / len(tail),
         "train_seconds": round(seconds, 2),
         "device": device,
-        "cpu_threads": cpu_threads if cpu_threads is not None else previous_threads,
+        "cpu_threads": train_threads if device == "cpu" else None,
         "torch": torch.__version__,
     }
     # write into a private directory and rename: a concurrent reader never sees half a model
@@ -313,10 +315,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--eval-n", type=int, default=200, help="held-out prompts for the accuracy")
-    parser.add_argument("--cpu-threads", type=int, default=None, help="torch threads while training")
+    parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads while training on the CPU")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.device == "cpu" and args.cpu_threads is not None:
+        torch.set_num_threads(args.cpu_threads)  # this process only: evaluation runs with it too
     common = dict(
         difficulty=args.difficulty, seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr
     )

@@ -21,9 +21,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from datasets import Dataset
+if TYPE_CHECKING:  # imported where used: problems and rewards work without `datasets` installed
+    from datasets import Dataset
 
 Split = Literal["train", "test"]
 RewardFunc = Callable[..., list[float]]
@@ -217,6 +218,8 @@ def _length_quantile(task: Task, difficulty: int, quantile: float) -> int:
 
 
 def _from_rows(rows: list[dict[str, Any]], columns: list[str]) -> Dataset:
+    from datasets import Dataset
+
     if not rows:
         return Dataset.from_dict({c: [] for c in columns})
     return Dataset.from_list(rows)
