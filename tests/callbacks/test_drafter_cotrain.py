@@ -288,7 +288,8 @@ def test_trainer_harvests_trains_in_stalls_publishes_and_logs(tmp_path: Path) ->
     assert module.policy.model.embed_tokens.weight is embed
     assert module.harvest_features is False  # handed back at teardown
     (path,) = sorted(tmp_path.glob("csv/version_*/metrics.csv"))
-    rows = [r for r in csv.DictReader(open(path)) if r.get("drafter/version")]
+    with open(path) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("drafter/version")]
     assert [float(r["drafter/version"]) for r in rows] == [1.0, 2.0, 3.0]
     trained_rows = [r for r in rows if r.get("drafter/loss")]
     assert trained_rows and all(float(r["drafter/stall_time_used_s"]) > 0 for r in trained_rows)

@@ -15,6 +15,8 @@ from lightning_tlt.drafters.base import Drafter
 from lightning_tlt.drafters.eagle import EagleDrafter, align_for_eagle, default_eagle3_layers
 from lightning_tlt.models.runner import decoder_layer, rope_cos_sin
 from lightning_tlt.models.zoo import build_model
+from lightning_tlt.rollout.sampling import processed_probs
+from lightning_tlt.rollout.verify import verify_chain
 
 VLLM_EAGLE1_TENSORS = {
     "fc.weight",
@@ -293,3 +295,41 @@ def test_eagle3_features(tmp_path: Path) -> None:
     torch.testing.assert_close(loaded(batch.features, batch.input_ids, batch.position_ids), pred)
     with pytest.raises(ValueError, match="feature_layers must be hidden_states indices"):
         EagleDrafter.from_target(target, feature_layers=(0, 1, 9))
+
+
+@torch.no_grad()
+def test_greedy_speculation_equals_greedy_decoding(tiny_qwen2: torch.nn.Module) -> None:
+    """Greedy chain speculation (draft, verify, append the emitted tokens) == greedy decoding, token for token."""
+    policy, drafter = tiny_qwen2, _drafter(tiny_qwen2)
+    prompt, new, k = torch.tensor([[3, 17, 25, 9, 40, 11]]), 16, 3
+    plain = prompt
+    for _ in range(new):
+        plain = torch.cat([plain, policy(plain).logits[:, -1].argmax(-1, keepdim=True)], 1)
+
+    def oracle(seq: torch.Tensor, corrupt: bool) -> tuple[torch.Tensor, None]:
+        drafts = seq
+        for _ in range(k):
+            drafts = torch.cat([drafts, policy(drafts).logits[:, -1].argmax(-1, keepdim=True)], 1)
+        drafts = drafts[:, seq.shape[1] :].clone()
+        if corrupt:
+            drafts[:, 1] = (drafts[:, 1] + 1) % 128  # accepted 1, then a rejection
+        return drafts, None
+
+    for source in ("eagle", "oracle", "corrupted"):
+        seq, accepted = prompt, 0
+        while seq.shape[1] < prompt.shape[1] + new:
+            t = seq.shape[1] - 1
+            if source == "eagle":
+                feats = policy(seq, output_hidden_states=True).hidden_states[-1][:, :t]
+                drafts, q = drafter.draft(feats, seq, k, temperature=0.0)
+            else:
+                drafts, q = oracle(seq, source == "corrupted")
+            p = processed_probs(policy(torch.cat([seq, drafts], 1)).logits[:, t:], 0.0)
+            out = verify_chain(drafts, q, p, None, torch.Generator().manual_seed(0))
+            accepted += int(out.num_accepted[0])
+            seq = torch.cat([seq, out.tokens[:, : int(out.num_emitted[0])]], 1)
+        assert torch.equal(seq[:, : plain.shape[1]], plain), source
+        if source == "oracle":
+            assert accepted >= new - (new // (k + 1)) - 1  # every draft accepted
+        if source == "corrupted":
+            assert accepted > 0
