@@ -310,8 +310,8 @@ class VLLMRolloutEngine:
         model_or_path: an HF causal LM (saved to a temporary directory for vLLM to load, and kept
             as the policy whose weights `update_policy_weights` pushes by default) or the path of
             an HF model directory.
-        tokenizer: saved beside the model when given (vLLM itself works on token ids and starts
-            with ``skip_tokenizer_init=True`` unless a tokenizer is available).
+        tokenizer: saved beside the model when given, so the directory serves as it is later;
+            vLLM itself works on token ids here (``skip_tokenizer_init=True``).
         speculative: how vLLM speculates (see `speculative_config`); ``None`` never does.
         max_seq_len: longest prompt + completion (vLLM's ``max_model_len``).
         gpu_memory_utilization: share of accelerator memory vLLM may take (weights + KV cache);
@@ -388,12 +388,9 @@ class VLLMRolloutEngine:
                 "sleep()/wake_up() will be no-ops",
                 stacklevel=2,
             )
-        has_tokenizer = (Path(path) / "tokenizer_config.json").is_file() or (
-            Path(path) / "tokenizer.json"
-        ).is_file()
         kwargs: dict[str, Any] = dict(
             model=str(path),
-            skip_tokenizer_init=not has_tokenizer,
+            skip_tokenizer_init=True,  # token ids in, token ids out: no tokenizer needed
             max_model_len=max_seq_len,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,

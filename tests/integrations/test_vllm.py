@@ -32,6 +32,7 @@ from lightning_tlt.integrations.vllm import (
     sampling_params_kwargs,
     speculative_config,
 )
+from lightning_tlt.models.tokenizer import build_tokenizer
 from lightning_tlt.models.zoo import build_model
 from lightning_tlt.rollout.types import SamplingConfig, SpeculativeConfig
 
@@ -256,7 +257,7 @@ class TestPlainEngine:
     def engine(self, policy: PreTrainedModel):
         from lightning_tlt.integrations.vllm import VLLMRolloutEngine
 
-        engine = VLLMRolloutEngine(policy, **ENGINE_KW)
+        engine = VLLMRolloutEngine(policy, build_tokenizer(), **ENGINE_KW)
         yield engine
         engine.close()
 
@@ -272,6 +273,7 @@ class TestPlainEngine:
         assert out.logprobs == native.logprobs == [[0.0] * 16] * 6  # greedy: one-hot distribution
         assert out.completion_ids[::2] == hf_greedy(policy, PROMPTS, 16)
         assert out.stats["tokens"] == 96.0 and out.stats["tokens_per_s"] > 0
+        assert (Path(engine.model_path) / "tokenizer.json").is_file()  # saved beside the weights
 
     def test_stop_token_ends_and_is_kept(self, engine, policy) -> None:
         ref = hf_greedy(policy, PROMPTS[:1], 16)[0]
