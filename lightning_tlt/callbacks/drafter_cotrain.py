@@ -168,6 +168,14 @@ def publish_drafter(engine: Any, drafter: EagleDrafter, version: int) -> EagleDr
     return current
 
 
+def engine_tuner_of(engine: Any) -> Any:
+    """The engine's draft-length tuner (``engine.tuner``, else its speculative decoder's), or ``None``."""
+    tuner = getattr(engine, "tuner", None)
+    if tuner is None:
+        tuner = getattr(getattr(engine, "_spec", None), "tuner", None)
+    return tuner if hasattr(tuner, "state_dict") and hasattr(tuner, "load_state_dict") else None
+
+
 def _same_layout(a: EagleDrafter, b: EagleDrafter) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(sa[k].shape == sb[k].shape for k in sa)
@@ -219,6 +227,7 @@ class DrafterCoTrainCallback(Callback):
         self._listening_to: Any = None
         self._trainer: pl.Trainer | None = None
         self._pending_state: dict[str, Any] | None = None
+        self._pending_tuner_state: dict[str, Any] | None = None
         self._harvested_step: int | None = None
         self._stream: Any = None
         self._window = _Window()
@@ -297,6 +306,8 @@ class DrafterCoTrainCallback(Callback):
         """The engine listener: train in stalls, or while other ranks still generate."""
         if self.drafter is None or self.optimizer is None:
             return
+        if self._pending_tuner_state is not None:
+            self._apply_tuner_state()
         trainer = self._trainer
         if trainer is not None and (not trainer.training or trainer.sanity_checking):
             return
@@ -481,7 +492,8 @@ class DrafterCoTrainCallback(Callback):
     def state_dict(self) -> dict[str, Any]:
         if self.drafter is None:
             return dict(self._pending_state or {})
-        engine_tuner = getattr(self._engine_or_none(), "tuner", None)
+        engine_tuner = engine_tuner_of(self._engine_or_none())
+        tuner_state = engine_tuner.state_dict() if engine_tuner is not None else self._pending_tuner_state
         return {
             "drafter": {k: v.detach().cpu().clone() for k, v in self.drafter.state_dict().items()},
             "published": None
@@ -496,9 +508,18 @@ class DrafterCoTrainCallback(Callback):
             "total_steps": self.total_steps,
             "skipped_nonfinite": self.skipped_nonfinite,
             "harvested_step": self._harvested_step,
-            "tuner": engine_tuner.state_dict() if hasattr(engine_tuner, "state_dict") else None,
+            "tuner": tuner_state,
             "buffer": self.buffer.state_dict(),
         }
+
+    def _apply_tuner_state(self) -> None:
+        """Hand a resumed tuner state to the engine's tuner once it exists (engines build it lazily)."""
+        if self._pending_tuner_state is None:
+            return
+        tuner = engine_tuner_of(self._engine_or_none())
+        if tuner is not None:
+            tuner.load_state_dict(self._pending_tuner_state)
+            self._pending_tuner_state = None
 
     def _engine_or_none(self) -> Any:
         try:
@@ -530,9 +551,8 @@ class DrafterCoTrainCallback(Callback):
         self.skipped_nonfinite = int(state["skipped_nonfinite"])
         self._harvested_step = state.get("harvested_step")
         self.buffer.load_state_dict(state["buffer"])
-        tuner = getattr(self._engine_or_none(), "tuner", None)
-        if state.get("tuner") is not None and hasattr(tuner, "load_state_dict"):
-            tuner.load_state_dict(state["tuner"])
+        self._pending_tuner_state = state.get("tuner")
+        self._apply_tuner_state()
         rank_zero_info(
             f"DrafterCoTrainCallback: resumed drafter version {self.version} after {self.total_steps} steps"
         )

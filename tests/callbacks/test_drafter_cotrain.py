@@ -29,7 +29,7 @@ from lightning_tlt.rl.config import GRPOConfig
 from lightning_tlt.rl.grpo import GRPOModule
 from lightning_tlt.rollout.engine import RolloutEngine
 from lightning_tlt.rollout.sampling import processed_probs
-from lightning_tlt.rollout.types import SamplingConfig, StepEvent
+from lightning_tlt.rollout.types import SamplingConfig, SpeculativeConfig, StepEvent
 from lightning_tlt.rollout.verify import verify_chain
 
 ALPHA = 1e-3
@@ -245,12 +245,15 @@ def digits(completions: list[str], **kwargs: object) -> list[float]:
     return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
 
 
-def make(seed: int = 0) -> tuple[GRPOModule, RolloutDataModule]:
+def make(seed: int = 0, speculative: SpeculativeConfig | None = None) -> tuple[GRPOModule, RolloutDataModule]:
     config = GRPOConfig(
         num_generations=4, max_completion_length=12, learning_rate=1e-3, lr_scheduler_type="constant"
     )
     module = GRPOModule(build_model("qwen2", "tiny", seed=seed), config)
-    return module, RolloutDataModule("arithmetic", [digits], prompts_per_step=2, task_size=32, seed=seed)
+    data = RolloutDataModule(
+        "arithmetic", [digits], prompts_per_step=2, task_size=32, seed=seed, speculative=speculative
+    )
+    return module, data
 
 
 def callback() -> DrafterCoTrainCallback:
@@ -298,16 +301,20 @@ def test_trainer_harvests_trains_in_stalls_publishes_and_logs(tmp_path: Path) ->
 
 
 def test_checkpoint_resume_and_export(tmp_path: Path) -> None:
-    module, data = make()
+    # the engine speculates with the published drafter, and its draft-length tuner is checkpointed too
+    spec = SpeculativeConfig(method="eagle", threshold=8, hysteresis_steps=1, tuner_epsilon=0.5)
+    module, data = make(speculative=spec)
     cb = callback()
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)
     trainer(tmp_path, 2, [cb, ckpt]).fit(module, datamodule=data)
     saved_optimizer = cb.optimizer.state_dict()
     assert cb.total_steps > 0 and saved_optimizer["state"]
+    saved_tuner = cb.state_dict()["tuner"]
+    assert saved_tuner is not None and saved_tuner["counts"]  # the engine speculated and measured
     last = tmp_path / "ckpt" / "last.ckpt"
 
     # "kill" and resume into fresh objects: max_steps reached, so only the restore runs
-    module2, data2 = make()
+    module2, data2 = make(speculative=spec)
     cb2 = callback()
     ckpt2 = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)
     trainer(tmp_path, 2, [cb2, ckpt2]).fit(module2, datamodule=data2, ckpt_path=last)
@@ -322,6 +329,9 @@ def test_checkpoint_resume_and_export(tmp_path: Path) -> None:
             assert torch.equal(restored["state"][idx][key], value), (idx, key)
     assert cb2.buffer._added == cb.buffer._added
     assert data2.engine.drafter_version == 2
+    assert (
+        cb2.state_dict()["tuner"]["rewards"] == saved_tuner["rewards"]
+    )  # kept until the engine's tuner exists
 
     # export round trip: loaded back, it proposes the same tokens as the published drafter
     out = export_drafter(last, tmp_path / "eagle")
