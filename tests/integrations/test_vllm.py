@@ -434,3 +434,59 @@ class TestNgramEngine:
         assert engine.generate(PROMPTS, GREEDY).completion_ids == hf_greedy(new, PROMPTS, 16)
         engine.update_policy_weights(policy)
         assert engine.generate(PROMPTS, GREEDY).completion_ids == hf_greedy(policy, PROMPTS, 16)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (its tests run in .ci/run-vllm's venv)")
+def test_grpo_trainer_rolls_out_on_vllm_and_follows_the_optimizer(tmp_path: Path) -> None:
+    """A real `Trainer` (2 GRPO steps) whose datamodule's engine is vLLM: rollouts of step 2 come
+    from the weights after step 1's optimizer step (auto-sync), with no hook in the RL code."""
+    import lightning.pytorch as pl
+
+    from lightning_tlt.data.datamodule import RolloutDataModule
+    from lightning_tlt.integrations.vllm import VLLMRolloutEngine
+    from lightning_tlt.rl.config import GRPOConfig
+    from lightning_tlt.rl.grpo import GRPOModule
+
+    class VLLMDataModule(RolloutDataModule):
+        vllm_engine: VLLMRolloutEngine | None = None
+
+        @property
+        def engine(self) -> VLLMRolloutEngine:  # type: ignore[override]
+            if self.vllm_engine is None:
+                self.vllm_engine = VLLMRolloutEngine(self.policy, max_batch_size=8, **ENGINE_KW)
+            return self.vllm_engine
+
+    def digits(completions: list[str], **kwargs: object) -> list[float]:
+        return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+
+    config = GRPOConfig(
+        num_generations=4, max_completion_length=12, learning_rate=3e-3, lr_scheduler_type="constant"
+    )
+    module = GRPOModule(build_model("qwen2", "tiny", seed=0), config)
+    data = VLLMDataModule("arithmetic", [digits], prompts_per_step=2, task_size=32, seed=0)
+    before = {k: v.clone() for k, v in module.policy.state_dict().items()}
+    trainer = pl.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=tmp_path,
+    )
+    try:
+        trainer.fit(module, datamodule=data)
+        engine = data.vllm_engine
+        assert engine is not None and module.global_step == 2
+        moved = max((before[k] - v).abs().max().item() for k, v in module.policy.state_dict().items())
+        assert moved > 1e-4
+        assert (
+            engine.policy_version == 1
+        )  # pushed once: after step 1's optimizer step, before step 2's rollouts
+        policy = copy.deepcopy(module.policy).eval()
+        out = engine.generate(PROMPTS, GREEDY)  # and the trained weights after step 2
+        assert out.completion_ids == hf_greedy(policy, PROMPTS, 16)
+    finally:
+        if data.vllm_engine is not None:
+            data.vllm_engine.close()
