@@ -335,6 +335,12 @@ def test_checkpoint_resume_and_export(tmp_path: Path) -> None:
 
     # export round trip: loaded back, it proposes the same tokens as the published drafter
     out = export_drafter(last, tmp_path / "eagle")
+    # the same through the command line (`lightning-tlt export-drafter`)
+    from lightning_tlt.cli import main as cli_main
+
+    assert cli_main(["export-drafter", "--checkpoint_path", str(last), "--out_dir", str(tmp_path / "cli")]) == 0
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "cli" / name).read_bytes() == (out / name).read_bytes()
     loaded = EagleDrafter.from_pretrained(out, module.policy)
     tokens = torch.tensor([PROMPT + [5, 6]])
     feats = module.policy(tokens[:, :-1], output_hidden_states=True).hidden_states[-1].detach()
