@@ -36,6 +36,7 @@ frozen copy. An engine ``tuner`` with ``state_dict``/``load_state_dict`` is chec
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -192,6 +193,8 @@ class DrafterCoTrainCallback(Callback):
         drafter: a drafter to continue training (e.g. `EagleDrafter.from_pretrained`); ``None``
             builds a cold one from the policy at fit start.
         engine: the engine to listen to and publish to; ``None``: the datamodule's.
+        **overrides: `DrafterCoTrainConfig` fields replacing those of ``config`` (e.g.
+            ``DrafterCoTrainCallback(stall_threshold=16)``).
 
     Example::
 
@@ -206,9 +209,16 @@ class DrafterCoTrainCallback(Callback):
         *,
         drafter: EagleDrafter | None = None,
         engine: Any | None = None,
+        **overrides: Any,
     ) -> None:
         super().__init__()
-        self.config = config or DrafterCoTrainConfig()
+        config = config or DrafterCoTrainConfig()
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(DrafterCoTrainConfig)})
+        if unknown:
+            raise ValueError(
+                f"unknown DrafterCoTrainConfig fields {unknown}; allowed: see DrafterCoTrainConfig"
+            )
+        self.config = dataclasses.replace(config, **overrides) if overrides else config
         self.drafter: EagleDrafter | None = drafter
         self.published: EagleDrafter | None = None
         self._engine = engine
@@ -231,6 +241,10 @@ class DrafterCoTrainCallback(Callback):
         self._harvested_step: int | None = None
         self._stream: Any = None
         self._window = _Window()
+        self.last_metrics: dict[str, float] = {}
+        """What `on_train_batch_end` logged last."""
+        self.last_step_drafter_s = 0.0
+        """Host time spent in drafter steps during the last RL step (stalls and waits)."""
         self.step_log: list[tuple[str, int, int]] = []
         """``(reason, active_rows, steps)`` of every event that trained (reason "stall" or "wait")."""
 
@@ -485,6 +499,7 @@ class DrafterCoTrainCallback(Callback):
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
         self.last_metrics = metrics
+        self.last_step_drafter_s = w.stall_used_s
         self._window = _Window()
 
     # ------------------------------------------------------------------ checkpointing

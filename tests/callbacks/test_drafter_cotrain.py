@@ -338,7 +338,9 @@ def test_checkpoint_resume_and_export(tmp_path: Path) -> None:
     # the same through the command line (`lightning-tlt export-drafter`)
     from lightning_tlt.cli import main as cli_main
 
-    assert cli_main(["export-drafter", "--checkpoint_path", str(last), "--out_dir", str(tmp_path / "cli")]) == 0
+    assert (
+        cli_main(["export-drafter", "--checkpoint_path", str(last), "--out_dir", str(tmp_path / "cli")]) == 0
+    )
     for name in ("config.json", "model.safetensors"):
         assert (tmp_path / "cli" / name).read_bytes() == (out / name).read_bytes()
     loaded = EagleDrafter.from_pretrained(out, module.policy)
@@ -350,3 +352,14 @@ def test_checkpoint_resume_and_export(tmp_path: Path) -> None:
     b = loaded.draft(feats, tokens, 4, temperature=1.0, generator=torch.Generator().manual_seed(1))
     assert torch.equal(a[0], b[0])
     torch.testing.assert_close(a[1], b[1])
+
+
+def test_config_overrides_and_validation() -> None:
+    cb = DrafterCoTrainCallback(DrafterCoTrainConfig(batch_size=3), stall_threshold=16)
+    assert (cb.config.stall_threshold, cb.config.batch_size) == (16, 3)
+    with pytest.raises(ValueError, match=r"unknown DrafterCoTrainConfig fields \['stall'\]"):
+        DrafterCoTrainCallback(stall=1)
+    with pytest.raises(ValueError, match="stall_threshold must be >= 1, got 0"):
+        DrafterCoTrainCallback(stall_threshold=0)
+    with pytest.raises(ValueError, match="heldout_fraction must be in"):
+        DrafterCoTrainConfig(heldout_fraction=1.0)
