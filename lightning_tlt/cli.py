@@ -30,6 +30,7 @@ CLI_SUBCOMMANDS = ("fit", "validate")
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "log_every_n_steps": 1,  # one RL step is expensive: log every one, as TRL's logging_steps=1 users do
+    "num_sanity_val_steps": 0,  # a sanity "validation" would be two whole rollouts before training
     "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs"}},
 }
 

@@ -302,15 +302,15 @@ class RolloutDataModule(pl.LightningDataModule):
             self._generator = torch.Generator(device=self.engine.device)
             if self._generator_state is not None:
                 self._generator.set_state(self._generator_state)
-            else:
-                self._generator.manual_seed(self.seed)
+            else:  # each DDP rank samples its own stream
+                self._generator.manual_seed(self.seed + 1_000_003 * self._rank_world()[0])
         return self._generator
 
     # ------------------------------------------------------------------ dataloaders
     @property
     def steps_per_epoch(self) -> int:
         assert self.train_data is not None, "call setup/prepare first"
-        return len(self.train_data) // self.prompts_per_step
+        return len(self.train_data) // (self.prompts_per_step * self._rank_world()[1])
 
     @property
     def eval_steps(self) -> int:
@@ -334,12 +334,21 @@ class RolloutDataModule(pl.LightningDataModule):
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(n, generator=g).tolist()
 
+    def _rank_world(self) -> tuple[int, int]:
+        if self.trainer is None:
+            return 0, 1
+        return int(self.trainer.global_rank), int(self.trainer.world_size)
+
     def _train_iter(self) -> Iterator[RolloutBatch]:
+        # under DDP every rank takes its own prompts_per_step prompts of each global step (whole groups
+        # per rank, so group advantages need no gathering)
+        rank, world = self._rank_world()
         order = self._order(self._epoch)
-        while self._index + self.prompts_per_step <= len(order):
-            rows = order[self._index : self._index + self.prompts_per_step]
-            batch = self.rollout(rows)
-            self._index += self.prompts_per_step
+        stride = self.prompts_per_step * world
+        while self._index + stride <= len(order):
+            start = self._index + rank * self.prompts_per_step
+            batch = self.rollout(order[start : start + self.prompts_per_step])
+            self._index += stride
             yield batch
         self._epoch, self._index = self._epoch + 1, 0
 

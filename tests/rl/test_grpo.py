@@ -42,7 +42,7 @@ def make(seed: int = 0, **cfg: object) -> tuple[GRPOModule, RolloutDataModule]:
 def trainer(tmp_path: Path, max_steps: int, callbacks: list[Callback] | None = None, **kw: object) -> pl.Trainer:
     return pl.Trainer(
         max_steps=max_steps, accelerator="cpu", logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=1,
-        enable_checkpointing=False, enable_model_summary=False, callbacks=callbacks or [], **kw,
+        enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks or [], **kw,
     )
 
 

@@ -27,7 +27,7 @@ def digits(completions: list[str], **kwargs: object) -> list[float]:
 def trainer(tmp_path: Path, max_steps: int, callbacks: list[Callback] | None = None) -> pl.Trainer:
     return pl.Trainer(
         max_steps=max_steps, accelerator="cpu", logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=1,
-        enable_checkpointing=False, enable_model_summary=False, callbacks=callbacks or [],
+        enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=callbacks or [],
     )
 
 
