@@ -1,0 +1,260 @@
+"""Tail-phase throughput with speculation on vs off, for the suffix and a trained EAGLE drafter.
+
+Issue 3's benchmark (and issue 4's co-training overhead), in one process on one GPU:
+
+1. warm-start (SFT) the ~0.4 B zoo policy on a long-tail task (``warm_start``, cached);
+2. sample the policy's own rollouts and train an EAGLE drafter on them offline (the loss and step
+   of `DrafterCoTrainCallback`, run back to back instead of in stalls);
+3. generate the same held-out requests (temperature 1) with speculation off, with the suffix drafter
+   and with the trained EAGLE drafter; every engine step event is binned by its number of active
+   rows (1, 2-4, 5-8, 9-16, 17-32, 33+), so tokens/s is measured in the tail phases that the issue
+   names, on the natural length distribution;
+4. co-training overhead: the EAGLE run again with a `DrafterCoTrainCallback` training in the stalls
+   (no Trainer: its stall listener is attached to the engine), rollout time on vs off.
+
+Prints a table and writes JSON under ``benchmarks/results/``.
+
+GPU: ``python benchmarks/speculative.py``; CPU smoke check: ``python benchmarks/speculative.py --smoke``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_tlt.callbacks.drafter_cotrain import (
+    DrafterCoTrainCallback,
+    DrafterCoTrainConfig,
+    publish_drafter,
+)
+from lightning_tlt.data.tasks import get_task
+from lightning_tlt.drafters.suffix import SuffixDrafter
+from lightning_tlt.models.tokenizer import encode_prompt
+from lightning_tlt.models.warmstart import warm_start
+from lightning_tlt.rollout.engine import RolloutEngine
+from lightning_tlt.rollout.types import RolloutOutput, SamplingConfig, SpeculativeConfig, StepEvent
+
+ROOT = Path(__file__).resolve().parent.parent
+BINS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 32), (33, 1 << 30))
+
+
+def bin_name(lo: int, hi: int) -> str:
+    return str(lo) if lo == hi else (f"{lo}+" if hi >= 1 << 30 else f"{lo}-{hi}")
+
+
+class RowBinner:
+    """Engine listener: tokens and step time per bin of active rows (the rows the step ran on)."""
+
+    def __init__(self) -> None:
+        self.tokens = {b: 0 for b in BINS}
+        self.seconds = {b: 0.0 for b in BINS}
+        self._rows_before = 0
+
+    def __call__(self, event: StepEvent) -> None:
+        if event.phase in ("decode", "speculative"):
+            rows = self._rows_before or event.active_rows  # rows the step ran on
+            for b in BINS:
+                if b[0] <= rows <= b[1]:
+                    self.tokens[b] += event.new_tokens
+                    self.seconds[b] += event.step_time_s
+        self._rows_before = event.active_rows if event.phase != "done" else 0
+
+    def rates(self) -> dict[str, dict[str, float]]:
+        return {
+            bin_name(*b): {"tokens": self.tokens[b], "seconds": self.seconds[b],
+                           "tokens_per_s": self.tokens[b] / self.seconds[b] if self.seconds[b] > 0 else float("nan")}
+            for b in BINS
+        }
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_generate(engine: RolloutEngine, prompts: list[list[int]], sampling: SamplingConfig, samples: int,
+                   seed: int) -> tuple[RolloutOutput, RowBinner, float]:
+    binner = RowBinner()
+    engine.add_listener(binner)
+    _sync()
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, sampling, num_samples=samples, generator=torch.Generator().manual_seed(seed))
+    _sync()
+    wall = time.perf_counter() - t0
+    engine.remove_listener(binner)
+    return out, binner, wall
+
+
+@torch.no_grad()
+def harvest(policy: torch.nn.Module, out: RolloutOutput, pad_id: int, device: str) -> dict[str, torch.Tensor]:
+    """The policy's last hidden states over prompt + completion (what co-training harvests)."""
+    seqs = [p + c for p, c in zip(out.prompt_ids, out.completion_ids)]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    comp = torch.zeros_like(ids)
+    for i, (p, s) in enumerate(zip(out.prompt_ids, seqs)):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        comp[i, len(p) : len(s)] = 1
+    feats = []
+    for start in range(0, len(seqs), 16):
+        sl = slice(start, start + 16)
+        hs = policy(input_ids=ids[sl].to(device), attention_mask=attn[sl].to(device), output_hidden_states=True)
+        feats.append(hs.hidden_states[-1])
+    return {"features": torch.cat(feats), "input_ids": ids.to(device), "attention_mask": attn.to(device),
+            "completion_mask": comp.to(device)}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", default="countdown")
+    p.add_argument("--difficulty", type=int, default=2)
+    p.add_argument("--arch", default="qwen2")
+    p.add_argument("--size", default="400m")
+    p.add_argument("--sft-steps", type=int, default=300)
+    p.add_argument("--sft-batch", type=int, default=64)
+    p.add_argument("--sft-lr", type=float, default=5e-4)
+    p.add_argument("--train-prompts", type=int, default=64, help="prompts (x4 samples) of drafter training data")
+    p.add_argument("--drafter-steps", type=int, default=600)
+    p.add_argument("--drafter-lr", type=float, default=1e-3)
+    p.add_argument("--prompts", type=int, default=96, help="held-out requests per measured generate")
+    p.add_argument("--slots", type=int, default=32, help="engine slots: the bulk phase runs at this batch")
+    p.add_argument("--max-new", type=int, default=1024)
+    p.add_argument("--threshold", type=int, default=32)
+    p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "lightning_tlt"))
+    p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.size, args.sft_steps, args.sft_batch, args.train_prompts, args.drafter_steps = "tiny", 30, 16, 4, 20
+        args.prompts, args.slots, args.max_new, args.task, args.difficulty = 8, 4, 48, "arithmetic", 1
+        args.threshold = 4
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    task = get_task(args.task)
+    results: dict[str, Any] = {"benchmark": "speculative", "args": vars(args),
+                               "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                               "card": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+                               "versions": {"torch": torch.__version__}}
+
+    t0 = time.perf_counter()
+    policy, tokenizer = warm_start(args.task, args.arch, args.size, difficulty=args.difficulty, seed=0,
+                                   steps=args.sft_steps, batch_size=args.sft_batch, lr=args.sft_lr,
+                                   cache_dir=args.cache_dir, device=device, progress=False)
+    results["sft_s"] = time.perf_counter() - t0
+    policy = policy.to(device=device, dtype=dtype).eval()
+    train = task.make_dataset(args.train_prompts, difficulty=args.difficulty, seed=1, split="train")
+    test = task.make_dataset(args.prompts, difficulty=args.difficulty, seed=2, split="test")
+    train_ids = [encode_prompt(tokenizer, x) for x in train["prompt"]]
+    test_ids = [encode_prompt(tokenizer, x) for x in test["prompt"]]
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new)
+    longest = max(len(x) for x in train_ids + test_ids) + args.max_new
+
+    # --- speculation off (also the data for the drafter)
+    off = RolloutEngine(policy, max_batch_size=args.slots, max_seq_len=longest)
+    t0 = time.perf_counter()
+    data_out = off.generate(train_ids, sampling, num_samples=4, generator=torch.Generator().manual_seed(0))
+    results["warmup_and_data_s"] = time.perf_counter() - t0
+    out_off, bins_off, wall_off = timed_generate(off, test_ids, sampling, 1, seed=7)
+
+    # --- train an EAGLE drafter offline on the policy's own rollouts
+    cb = DrafterCoTrainCallback(DrafterCoTrainConfig(learning_rate=args.drafter_lr, batch_size=16, max_len=512,
+                                                     buffer_capacity=4 * args.train_prompts, warmup_steps=20,
+                                                     side_stream=False))
+    drafter = cb.setup_drafter(policy).to(device=device, dtype=torch.float32)
+    cb.setup_drafter(policy)  # optimizer over the moved parameters
+    h = harvest(policy, data_out, tokenizer.pad_token_id, device)
+    cb.buffer.add(h["features"], h["input_ids"], h["attention_mask"], h["completion_mask"], step=0)
+    _sync()
+    t0 = time.perf_counter()
+    steps = cb._train_steps(float("inf"), args.drafter_steps)
+    _sync()
+    results["drafter_train"] = {"steps": steps, "seconds": time.perf_counter() - t0,
+                                "sequences": len(cb.buffer), "params": sum(p.numel() for p in drafter.parameters())}
+
+    # --- speculation on: suffix drafter, then the trained EAGLE drafter, in one engine (one compile)
+    spec = SpeculativeConfig(method="suffix", threshold=args.threshold, hysteresis_steps=1)
+    on = RolloutEngine(policy, max_batch_size=args.slots, max_seq_len=longest, speculative=spec)
+    on.generate(train_ids[:4], sampling, num_samples=1, generator=torch.Generator().manual_seed(1))  # compile
+    runs: dict[str, Any] = {"off": (out_off, bins_off, wall_off)}
+    runs["suffix"] = timed_generate(on, test_ids, sampling, 1, seed=7)
+    on.drafter = SuffixDrafter()  # forget what the suffix run learned of these prompts
+    inference = drafter.inference_copy().to(dtype)
+    publish_drafter(on, inference, version=1)
+    on.generate(train_ids[:4], sampling, num_samples=1, generator=torch.Generator().manual_seed(1))  # capture
+    runs["eagle"] = timed_generate(on, test_ids, sampling, 1, seed=7)
+
+    # --- co-training overhead: the same EAGLE rollout with the stall listener training
+    cb.config.side_stream = cuda
+    cb.setup_drafter(policy)
+    on.add_listener(cb.on_step_event)
+    runs["eagle+cotrain"] = timed_generate(on, test_ids, sampling, 1, seed=7)
+    on.remove_listener(cb.on_step_event)
+    results["cotrain_steps_in_stalls"] = cb.total_steps - steps
+
+    table = {}
+    for name, (out, binner, wall) in runs.items():
+        tokens = sum(len(c) for c in out.completion_ids)
+        table[name] = {
+            "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "bins": binner.rates(),
+            "spec": {k: v for k, v in out.stats.items() if k.startswith("spec/")},
+            "lengths_p50_max": [sorted(len(c) for c in out.completion_ids)[len(out) // 2],
+                                max(len(c) for c in out.completion_ids)],
+        }
+    results["runs"] = table
+    base = table["off"]
+    results["ratios"] = {
+        f"{name}_over_off": {
+            "rollout": base["wall_s"] / r["wall_s"],
+            **{f"rows_{b}": r["bins"][b]["tokens_per_s"] / base["bins"][b]["tokens_per_s"]
+               for b in r["bins"] if base["bins"][b]["tokens_per_s"] == base["bins"][b]["tokens_per_s"]
+               and base["bins"][b]["tokens"] > 0},
+        }
+        for name, r in table.items() if name != "off"
+    }
+    results["cotrain_overhead"] = table["eagle+cotrain"]["wall_s"] / table["eagle"]["wall_s"] - 1.0
+    results["graphs"] = {"off": off.graph_stats, "on": on.graph_stats}
+    print_table(results)
+    out_path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / (
+        f"speculative_{'smoke' if args.smoke else device}.json")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(results, indent=1, default=float))
+    print(f"[speculative] wrote {out_path}")
+    return results
+
+
+def print_table(results: dict[str, Any]) -> None:
+    runs = results["runs"]
+    names = list(runs)
+    print(f"\n{'active rows':>11} " + " ".join(f"{n + ' tok/s':>20}" for n in names))
+    for b in runs["off"]["bins"]:
+        cells = []
+        for n in names:
+            r = runs[n]["bins"][b]
+            ratio = r["tokens_per_s"] / runs["off"]["bins"][b]["tokens_per_s"] if n != "off" and r["tokens"] else None
+            cells.append(f"{r['tokens_per_s']:12.0f}" + (f" ({ratio:4.2f}x)" if ratio else "       "))
+        print(f"{b:>11} " + " ".join(f"{c:>20}" for c in cells))
+    print(f"{'whole call':>11} " + " ".join(
+        f"{runs[n]['wall_s']:10.2f} s" + (f" ({runs['off']['wall_s'] / runs[n]['wall_s']:4.2f}x)" if n != "off" else "")
+        for n in names))
+    for n in names:
+        spec = runs[n]["spec"]
+        if spec:
+            print(f"  {n}: acceptance length {spec.get('spec/acceptance_length', float('nan')):.2f}, "
+                  f"speculative share {spec.get('spec/speculative_step_share', float('nan')):.2f}")
+    print(f"  drafter: {results['drafter_train']}")
+    print(f"  co-training overhead on the EAGLE rollout: {100 * results['cotrain_overhead']:+.1f} % "
+          f"({results['cotrain_steps_in_stalls']} drafter steps in stalls)")
+
+
+if __name__ == "__main__":
+    main()
