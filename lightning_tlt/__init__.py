@@ -38,6 +38,10 @@ _EXPORTS: dict[str, str] = {
     # callbacks
     "DrafterCoTrainCallback": "lightning_tlt.callbacks.drafter_cotrain",
     "RolloutMetricsCallback": "lightning_tlt.callbacks.rollout_metrics",
+    "RolloutProgressCallback": "lightning_tlt.callbacks.rollout_progress",
+    # integrations (vllm and trl are imported only when these are used)
+    "VLLMRolloutEngine": "lightning_tlt.integrations.vllm",
+    "make_engine": "lightning_tlt.integrations.vllm",
 }
 
 __all__ = sorted(_EXPORTS)
