@@ -491,21 +491,27 @@ def _metrics(
 
 
 def engine_metrics(stats: dict[str, float]) -> dict[str, float]:
-    """The kit's rollout metrics from `RolloutOutput.stats`: ``rollout/*`` and ``spec/*``."""
+    """The kit's rollout metrics from `RolloutOutput.stats`: ``rollout/*`` and ``spec/*``.
+
+    ``spec/fraction`` is the share of decode steps that speculated and ``spec/accept_len`` the
+    mean tokens accepted per speculative row-step (the engine's ``spec/acceptance_length``); the
+    engine's other ``spec/*`` figures pass through (per-position acceptance rates excepted).
+    """
     m: dict[str, float] = {}
     for key, name in (("tokens_per_s", "rollout/tokens_per_s"), ("wall_time_s", "rollout/time_s"),
-                      ("steps", "rollout/steps")):
+                      ("steps", "rollout/steps"), ("tokens_per_s/decode", "rollout/tokens_per_s_decode"),
+                      ("tokens_per_s/speculative", "rollout/tokens_per_s_speculative")):
         if key in stats:
             m[name] = float(stats[key])
     decode, spec = stats.get("steps_decode", 0.0), stats.get("steps_speculative", 0.0)
-    m["spec/fraction"] = float(stats.get("spec_fraction", spec / (decode + spec) if decode + spec > 0 else 0.0))
-    for key in ("accept_len", "spec_accept_len", "mean_accept_len"):
-        if key in stats:
-            m["spec/accept_len"] = float(stats[key])
-            break
+    share = stats.get("spec/speculative_step_share", spec / (decode + spec) if decode + spec > 0 else 0.0)
+    m["spec/fraction"] = float(share)
+    if "spec/acceptance_length" in stats:
+        m["spec/accept_len"] = float(stats["spec/acceptance_length"])
     for key, value in stats.items():
-        if key.startswith("spec_") and key not in ("spec_fraction", "spec_accept_len"):
-            m[f"spec/{key[5:]}"] = float(value)
+        if key.startswith("spec/") and "_pos" not in key and key not in ("spec/acceptance_length",
+                                                                          "spec/speculative_step_share"):
+            m[key] = float(value)
     return m
 
 

@@ -146,3 +146,28 @@ def test_conversational_prompts_give_assistant_messages(policy: torch.nn.Module)
     batch = make(policy, [text_len], dataset=rows).rollout([0, 1])
     assert all(c[0]["role"] == "assistant" for c in batch.completions)
     assert batch.prompts[0] == rows[0]["prompt"] or batch.prompts[0] == rows[1]["prompt"]
+
+
+def test_engine_metrics_names() -> None:
+    from lightning_tlt.data.datamodule import engine_metrics
+
+    stats = {"tokens_per_s": 100.0, "wall_time_s": 2.0, "steps": 26.0, "steps_decode": 9.0, "steps_speculative": 16.0,
+             "spec/acceptance_length": 1.42, "spec/acceptance_rate_pos0": 0.4, "spec/speculative_step_share": 0.64,
+             "spec/gate_switches": 1.0, "tokens_per_s/decode": 33.9}
+    m = engine_metrics(stats)
+    assert m["rollout/tokens_per_s"] == 100.0 and m["rollout/time_s"] == 2.0
+    assert m["spec/fraction"] == 0.64 and m["spec/accept_len"] == 1.42 and m["spec/gate_switches"] == 1.0
+    assert m["rollout/tokens_per_s_decode"] == 33.9
+    assert not any("_pos" in k for k in m)
+    assert engine_metrics({"steps_decode": 3.0, "steps_speculative": 1.0})["spec/fraction"] == 0.25
+
+
+def test_suffix_speculation_reports_acceptance(policy: torch.nn.Module) -> None:
+    from lightning_tlt.rollout.types import SpeculativeConfig
+
+    dm = make(policy, [length_reward], speculative=SpeculativeConfig(method="suffix", threshold=8),
+              sampling=SamplingConfig(max_new_tokens=24))
+    batch = dm.rollout([0, 1])
+    assert 0.0 <= batch.metrics["spec/fraction"] <= 1.0
+    if batch.metrics["spec/fraction"] > 0:
+        assert batch.metrics["spec/accept_len"] >= 1.0
