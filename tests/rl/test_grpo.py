@@ -184,3 +184,26 @@ def test_datamodule_disagreeing_with_module_is_refused(tmp_path: Path) -> None:
     data = RolloutDataModule("arithmetic", [digits], num_generations=3, prompts_per_step=2, task_size=8)
     with pytest.raises(ValueError, match=r"num_generations=3 disagrees with the RL module's config \(4\)"):
         trainer(tmp_path, 1).fit(module, datamodule=data)
+
+
+def test_wandb_offline_and_tensorboard_loggers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    module, data = make()
+    wandb_logger = WandbLogger(save_dir=str(tmp_path), offline=True, project="lightning-tlt-test")
+    tb_logger = TensorBoardLogger(str(tmp_path), name="tb")
+    pl.Trainer(
+        max_steps=1, accelerator="cpu", logger=[wandb_logger, tb_logger], log_every_n_steps=1,
+        enable_checkpointing=False, enable_model_summary=False, num_sanity_val_steps=0, enable_progress_bar=False,
+    ).fit(module, datamodule=data)
+    wandb_logger.experiment.finish()
+    run_dirs = list(tmp_path.glob("wandb/offline-run-*"))
+    assert len(run_dirs) == 1 and list(run_dirs[0].glob("*.wandb"))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = list(tmp_path.glob("tb/version_0/events.out.tfevents.*"))
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    assert {"reward", "completions/mean_length", "entropy"} <= set(acc.Tags()["scalars"])
