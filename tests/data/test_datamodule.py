@@ -171,3 +171,15 @@ def test_suffix_speculation_reports_acceptance(policy: torch.nn.Module) -> None:
     assert 0.0 <= batch.metrics["spec/fraction"] <= 1.0
     if batch.metrics["spec/fraction"] > 0:
         assert batch.metrics["spec/accept_len"] >= 1.0
+
+
+def test_training_forward_reproduces_the_engines_logprobs(policy: torch.nn.Module) -> None:
+    """The module's per-token log-probs of a batch equal the engine's sampling log-probs (on-policy ratio 1)."""
+    from lightning_tlt.rl.common import completion_forward
+
+    dm = make(policy, [length_reward], sampling=SamplingConfig(temperature=0.7, max_new_tokens=8))
+    batch = dm.rollout([0, 1])
+    with torch.no_grad():
+        fwd = completion_forward(policy, batch, temperature=0.7)
+    mask = batch.completion_mask.bool()
+    torch.testing.assert_close(fwd.logps[mask], batch.sampling_logprobs[mask], atol=2e-4, rtol=1e-4)

@@ -98,19 +98,25 @@ def test_num_iterations_reuses_the_batch_with_clipping(tmp_path: Path) -> None:
 
 
 def test_harvest_features_for_drafter_cotraining(tmp_path: Path) -> None:
+    import copy
+
     module, data = make()
+    initial = copy.deepcopy(module.policy)
     module.harvest_features = True
     trainer(tmp_path, 1).fit(module, datamodule=data)
     feats = module.last_policy_features
     assert feats is not None
     n, t = feats.input_ids.shape
     assert feats.hidden_states.shape == (n, t, module.policy.config.hidden_size)
-    assert not feats.hidden_states.requires_grad
-    assert feats.completion_mask.sum() > 0 and feats.completion_mask.shape == (n, t)
-    assert feats.step == 0
-    # the same states as a fresh HF forward of the trained-on batch would give before the update: check shapes
-    # and that completion positions are a subset of attended ones
-    assert bool((feats.completion_mask <= feats.attention_mask).all())
+    assert not feats.hidden_states.requires_grad and feats.step == 0
+    assert feats.completion_mask.sum() > 0 and bool((feats.completion_mask <= feats.attention_mask).all())
+    # they are the policy's final hidden states (HF hidden_states[-1]) of the batch, before its update
+    positions = (feats.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        ref = initial(input_ids=feats.input_ids, attention_mask=feats.attention_mask, position_ids=positions,
+                      output_hidden_states=True).hidden_states[-1]
+    real = feats.attention_mask.bool()
+    torch.testing.assert_close(feats.hidden_states[real], ref[real], atol=1e-5, rtol=1e-4)
 
 
 def test_checkpoint_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
