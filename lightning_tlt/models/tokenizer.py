@@ -8,6 +8,13 @@ and a chat template, wrapped as a `transformers.PreTrainedTokenizerFast` so that
 Ids are fixed by construction (specials first, then ``"\\n"``, then ASCII 32..126 in order), so
 every build gives the same vocabulary and a model trained with one build reads another's ids.
 
+The vocabulary is spelled in GPT-2's byte-level alphabet (space is ``"Ġ"``, newline ``"Ċ"``) and
+the model is a BPE without merges behind a ``ByteLevel`` pre-tokenizer: one token per character,
+exactly as a WordLevel model would give, but also what the Qwen2 tokenizer class rebuilds from
+``tokenizer.json``. That matters because ``AutoTokenizer`` forces ``Qwen2Tokenizer`` (a byte-level
+BPE pipeline) on any directory whose ``config.json`` says ``model_type: qwen2`` (transformers
+5.24), and vLLM loads tokenizers through ``AutoTokenizer``.
+
 Conventions (shared by the engine, the datamodule, SFT and TRL):
 
 - a plain prompt is ``<bos>`` + text (the post-processor adds ``<bos>`` when
@@ -24,7 +31,7 @@ import string
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 PAD_TOKEN = "<pad>"
@@ -41,6 +48,19 @@ SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN, *
 
 CHARACTERS: str = "\n" + "".join(chr(c) for c in range(32, 127))
 """Every ordinary character the tokenizer knows, in id order (after the special tokens)."""
+
+
+def byte_level(char: str) -> str:
+    """The vocabulary spelling of an ASCII character in GPT-2's byte-level alphabet.
+
+    Bytes 33..126 stand for themselves; bytes 0..32 (space and newline among them) are shifted
+    to ``chr(256 + byte)``: ``" "`` is ``"Ġ"``, ``"\\n"`` is ``"Ċ"``.
+    """
+    code = ord(char)
+    if code > 126:
+        raise ValueError(f"byte_level covers ASCII characters only, got {char!r}")
+    return char if code >= 33 else chr(256 + code)
+
 
 assert set(string.printable) - set("\t\r\x0b\x0c") <= set(CHARACTERS)
 
@@ -59,8 +79,8 @@ when ``add_generation_prompt`` (TRL's conversational format)."""
 
 
 def vocabulary() -> dict[str, int]:
-    """Token -> id map of the tokenizer (deterministic: special tokens, then `CHARACTERS`)."""
-    tokens = [*SPECIAL_TOKENS, *CHARACTERS]
+    """Token -> id map of the tokenizer: special tokens, then `CHARACTERS` in byte-level spelling."""
+    tokens = [*SPECIAL_TOKENS, *(byte_level(c) for c in CHARACTERS)]
     return {tok: i for i, tok in enumerate(tokens)}
 
 
@@ -72,10 +92,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         left padding off by default (right padding, as HF training expects) and
         ``decode(encode(s, add_special_tokens=False)) == s`` for any string of `CHARACTERS`.
     """
-    core = Tokenizer(models.WordLevel(vocab=vocabulary(), unk_token=UNK_TOKEN))
-    # every character is its own pre-token ([\s\S] also matches "\n", which "." does not)
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    core.decoder = decoders.Fuse()  # join tokens back with no separator
+    # a BPE without merges splits every pre-token into single characters
+    core = Tokenizer(models.BPE(vocab=vocabulary(), merges=[], unk_token=UNK_TOKEN))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
     core.add_special_tokens(list(SPECIAL_TOKENS))
     bos_id = vocabulary()[BOS_TOKEN]
     core.post_processor = processors.TemplateProcessing(

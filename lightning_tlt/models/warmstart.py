@@ -35,7 +35,7 @@ from lightning_tlt.rl.sft import LengthGroupedBatchSampler, SFTCollator, SFTConf
 
 log = logging.getLogger(__name__)
 
-WARMSTART_VERSION = "1"
+WARMSTART_VERSION = "2"
 """Bumped whenever the data, the model builder or the recipe change what a cached run holds."""
 
 METADATA_FILE = "warmstart.json"

@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
-    AutoTokenizer,
     LlamaConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
 )
@@ -221,7 +221,9 @@ def load_model(
         raise ValueError(f"directory must hold an HF model (config.json), got {str(directory)!r}")
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype if dtype is not None else "auto")
     if (directory / "tokenizer.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(directory)
+        # the generic fast class reads tokenizer.json verbatim (AutoTokenizer may swap in a
+        # model-specific class, e.g. Qwen2Tokenizer, that rebuilds the pipeline)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(directory)
     else:
         tokenizer = build_tokenizer()
     return model.eval(), tokenizer

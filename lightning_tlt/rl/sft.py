@@ -116,7 +116,7 @@ class SFTCollator:
 
     Prompts go through `encode_prompt` (``<bos>`` + text, or the chat template); completions
     (str or conversational) are followed by ``<eos>``. Sequences longer than ``max_length`` are
-    cut at the end (the prompt is kept whole).
+    cut at the end, so a long completion keeps its beginning (and loses its ``<eos>``).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, max_length: int = 1024) -> None:

@@ -11,6 +11,7 @@ from lightning_tlt.models.tokenizer import (
     CHARACTERS,
     SPECIAL_TOKENS,
     build_tokenizer,
+    byte_level,
     encode_prompt,
     vocabulary,
 )
@@ -25,7 +26,10 @@ def test_vocabulary_is_fixed(tokenizer: PreTrainedTokenizerFast) -> None:
         tokenizer.eos_token_id,
         tokenizer.unk_token_id,
     ) == (0, 1, 2, 3)
-    assert tokenizer.convert_tokens_to_ids(["\n", " ", "0", "A", "~"]) == [7, 8, 24, 41, 102]
+    # the vocabulary is spelled in GPT-2's byte-level alphabet: space is "Ġ", newline "Ċ"
+    assert [byte_level(c) for c in "\n 0A~"] == ["Ċ", "Ġ", "0", "A", "~"]
+    assert tokenizer.convert_tokens_to_ids(["Ċ", "Ġ", "0", "A", "~"]) == [7, 8, 24, 41, 102]
+    assert tokenizer("\n 0A~", add_special_tokens=False)["input_ids"] == [7, 8, 24, 41, 102]
     assert build_tokenizer().get_vocab() == tokenizer.get_vocab() == vocabulary()
 
 
@@ -45,8 +49,8 @@ def test_special_tokens_are_atomic(tokenizer: PreTrainedTokenizerFast) -> None:
     ids = tokenizer("<|user|>1+1<eos>", add_special_tokens=False)["input_ids"]
     assert ids == [5, 25, 19, 25, 2]
     assert tokenizer.decode(ids, skip_special_tokens=True) == "1+1"
-    # characters outside the vocabulary become <unk> rather than crashing
-    assert tokenizer("é", add_special_tokens=False)["input_ids"] == [tokenizer.unk_token_id]
+    # characters outside the vocabulary become <unk> (one per UTF-8 byte) rather than crashing
+    assert tokenizer("é", add_special_tokens=False)["input_ids"] == [tokenizer.unk_token_id] * 2
 
 
 def test_chat_template_and_encode_prompt(tokenizer: PreTrainedTokenizerFast) -> None:
@@ -98,3 +102,21 @@ def test_round_trip_on_every_task_text(tokenizer: PreTrainedTokenizerFast) -> No
     for text, ids in zip(texts, batch):
         assert len(ids) == len(text) and tokenizer.unk_token_id not in ids
         assert tokenizer.decode(ids) == text
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
+def test_auto_tokenizer_in_a_model_directory(
+    arch: str, tokenizer: PreTrainedTokenizerFast, tmp_path: Path
+) -> None:
+    # AutoTokenizer forces Qwen2Tokenizer (a byte-level BPE pipeline rebuilt from tokenizer.json) on
+    # model_type qwen2 directories; the byte-level vocabulary keeps the ids identical there too.
+    from lightning_tlt.models.zoo import build_model, save_model
+
+    save_model(build_model(arch), tokenizer, tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    text = "Compute 9-8-3\n a  b\n#### -2\n" + CHARACTERS
+    assert loaded(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert loaded.decode(loaded(text, add_special_tokens=False)["input_ids"]) == text
+    messages = [{"role": "user", "content": "Use 3 5 2 to make 16"}]
+    assert encode_prompt(loaded, messages) == encode_prompt(tokenizer, messages)
+    assert (loaded.pad_token_id, loaded.bos_token_id, loaded.eos_token_id) == (0, 1, 2)
