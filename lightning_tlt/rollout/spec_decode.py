@@ -120,12 +120,7 @@ class SpecDecoder:
         hidden, vocab = engine.hidden_size, engine.vocab_size
         rows = min(num_slots, engine._graphs.bucket(min(self.config.threshold, num_slots)))  # type: ignore[union-attr]
         self.spec_rows = rows
-        drafter = engine.drafter
-        eagle = isinstance(drafter, EagleDrafter)
-        dcache = None
-        if eagle:
-            dcache = KVCache.allocate(1, num_slots, cache_len, drafter.num_kv_heads, drafter.head_dim,
-                                      device=device, dtype=dtype)
+        self._cache_len = cache_len
         long = {"dtype": torch.long, "device": device}
         self.buffers = _SpecBuffers(
             draft_tokens=torch.zeros(num_slots, self.max_k, **long),
@@ -139,8 +134,10 @@ class SpecDecoder:
             draft_start=torch.zeros(num_slots, **long),
             num_accepted=torch.zeros(num_slots, **long),
             emitted=torch.zeros(num_slots, **long),
-            dcache=dcache,
+            dcache=None,
         )
+        if isinstance(engine.drafter, EagleDrafter):
+            self._ensure_drafter_cache(engine.drafter)
         if self.config.num_draft_tokens is None and self.tuner is None:
             self.tuner = DraftLengthTuner(
                 self.config.draft_candidates, epsilon=self.config.tuner_epsilon, device=device
@@ -148,6 +145,16 @@ class SpecDecoder:
         self.gate = AdaptiveGate(
             min(self.config.threshold, rows), self.config.hysteresis_steps, hard_limit=rows
         )
+
+    def _ensure_drafter_cache(self, drafter: EagleDrafter) -> None:
+        """The EAGLE drafter's one-layer cache, (re)allocated when the drafter's shapes need it."""
+        buf = self.buffers
+        assert buf is not None
+        shape = (buf.cu_tok.shape[0], self._cache_len, drafter.num_kv_heads, drafter.head_dim)
+        dtype = drafter.fc.weight.dtype
+        if buf.dcache is None or tuple(buf.dcache.k[0].shape) != shape or buf.dcache.dtype != dtype:
+            buf.dcache = KVCache.allocate(1, shape[0], shape[1], shape[2], shape[3],
+                                          device=buf.cu_tok.device, dtype=dtype)
 
     def begin(self) -> None:
         """Start of a ``generate`` call: gate off, fresh metrics and mirrors."""
@@ -204,6 +211,7 @@ class SpecDecoder:
                     "the engine speculates with EAGLE-1 drafters (features: the last hidden state); got an "
                     f"EAGLE-3 drafter with feature_layers={drafter.feature_layers!r}"
                 )
+            self._ensure_drafter_cache(drafter)
             profile = GraphProfile("draft", batch, k + 1, (*sampling_key, id(drafter)))
             engine._run_step(profile, lambda: self._draft_eagle(batch, k, sampling, drafter))
             probs: Tensor | None = buf.draft_probs
