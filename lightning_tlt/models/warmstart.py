@@ -303,20 +303,26 @@ def evaluate_accuracy(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m lightning_tlt.models.warmstart``: warm-start (or load) a policy, print loss, accuracy, time."""
-    parser = argparse.ArgumentParser(prog="lightning-tlt warmstart", description=main.__doc__)
-    parser.add_argument("--task", default="arithmetic")
+    parser = argparse.ArgumentParser(
+        prog="lightning-tlt warmstart",
+        description="Warm-start (or load from the cache) a zoo policy on a task's worked solutions, "
+        "then print its loss, held-out greedy accuracy and time.",
+    )
+    parser.add_argument("--task", default="arithmetic", help="registered task (arithmetic, countdown)")
     parser.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen3"])
     parser.add_argument("--size", default="tiny", choices=list(ZOO_SIZES))
-    parser.add_argument("--difficulty", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--difficulty", type=int, default=1, help="task difficulty of data and evaluation")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the init and the data")
+    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps")
+    parser.add_argument("--batch-size", type=int, default=32, help="sequences per step")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine)")
+    parser.add_argument(
+        "--cache-dir", default=None, help="default: $LIGHTNING_TLT_CACHE or ~/.cache/lightning_tlt"
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--eval-n", type=int, default=200, help="held-out prompts for the accuracy")
     parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads while training on the CPU")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.device == "cpu" and args.cpu_threads is not None:

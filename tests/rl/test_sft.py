@@ -201,3 +201,31 @@ def test_warm_start_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         warm_start(device="tpu", cache_dir=tmp_path)
     with pytest.raises(ValueError, match="size must be one of"):
         warm_start(size="7b", cache_dir=tmp_path)
+
+
+def test_warmstart_cli_trains_then_hits_the_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_tlt.models.warmstart import main
+
+    argv = [
+        "--task",
+        "countdown",
+        "--steps",
+        "12",
+        "--batch-size",
+        "4",
+        "--eval-n",
+        "2",
+        "--cache-dir",
+        str(tmp_path),
+    ]
+    argv += ["--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "qwen2/tiny: 328,832 parameters" in out and "(12 steps)" in out
+    assert "on 2 held-out countdown prompts (difficulty 1)" in out
+    (entry,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    assert entry.name.startswith("countdown-qwen2-tiny-d1-s0-12steps-")
+    trained_at = (entry / "model.safetensors").stat().st_mtime_ns
+    assert main(argv) == 0
+    assert (entry / "model.safetensors").stat().st_mtime_ns == trained_at  # loaded, not retrained
+    assert len([p for p in tmp_path.iterdir()]) == 1
