@@ -9,7 +9,8 @@ for the long tail of rollouts. This callback does that inside a Lightning ``Trai
    `FeatureReplayBuffer` tagged with the RL step (a copy, not an extra forward).
 2. **Stalls** (`on_step_event`, an engine listener): after a decode step with at most
    ``stall_threshold`` active rows, the callback runs drafter optimizer steps, bounded by
-   ``time_budget_s`` and ``max_steps_per_event`` and checked between steps (preemptible). Under DDP,
+   ``time_budget_s`` and ``max_steps_per_event`` and checked between steps (preemptible), and in
+   total to ``max_overhead`` of the stall time (the host thread is the decode loop's too). Under DDP,
    once this rank's ``generate`` is done it starts an asynchronous all-reduce that completes when
    every rank has finished generating, and trains while ``work.is_completed()`` is false. On CUDA
    the steps run on a side stream (the decode stream is never made to wait); on CPU they run
@@ -66,6 +67,12 @@ class DrafterCoTrainConfig:
     """Most host time spent training per stall event (checked between drafter steps)."""
     max_steps_per_event: int = 4
     """Most drafter steps per stall event."""
+    max_overhead: float | None = 0.05
+    """Most drafter training time as a share of the stall time seen so far: every stall step earns
+    ``max_overhead * step_time`` of training time, and a drafter step runs only once the earned time
+    covers its measured cost. On one GPU the decode loop and the drafter share the host thread, so
+    this is what keeps decoding within a few percent of its speed. ``None``: train up to
+    ``time_budget_s`` after every stall step."""
     train_while_waiting: bool = True
     """Under DDP, train after this rank's generation is done while other ranks still generate."""
     wait_max_steps: int = 200
@@ -121,6 +128,8 @@ class DrafterCoTrainConfig:
         for name in ("time_budget_s", "wait_budget_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.max_overhead is not None and not 0.0 < self.max_overhead <= 1.0:
+            raise ValueError(f"max_overhead must be in (0, 1] or None, got {self.max_overhead!r}")
         for name in ("max_steps_per_event", "wait_max_steps", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
@@ -233,7 +242,8 @@ class DrafterCoTrainCallback(Callback):
         self.version = 0
         self.publications = 0
         self.total_steps = 0
-        self.skipped_nonfinite = 0
+        self._skipped: Tensor | None = None  # device counter of skipped updates
+        self._skipped_before = 0  # skipped updates restored from a checkpoint
         self._listening_to: Any = None
         self._trainer: pl.Trainer | None = None
         self._pending_state: dict[str, Any] | None = None
@@ -241,6 +251,8 @@ class DrafterCoTrainCallback(Callback):
         self._harvested_step: int | None = None
         self._stream: Any = None
         self._window = _Window()
+        self._allowance = 0.0  # earned stall training time not yet spent (max_overhead)
+        self._step_cost = 0.0  # measured host time of the last drafter steps, per step
         self.last_metrics: dict[str, float] = {}
         """What `on_train_batch_end` logged last."""
         self.last_step_drafter_s = 0.0
@@ -263,6 +275,7 @@ class DrafterCoTrainCallback(Callback):
             lr=cfg.learning_rate,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             weight_decay=cfg.weight_decay,
+            fused=True,  # reads `found_inf`: non-finite updates are skipped without a host sync
         )
         warmup = cfg.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -333,8 +346,20 @@ class DrafterCoTrainCallback(Callback):
         if event.phase not in ("decode", "speculative") or not 0 < event.active_rows <= cfg.stall_threshold:
             return
         self._window.stall_available_s += event.step_time_s
-        steps = self._train_steps(cfg.time_budget_s, cfg.max_steps_per_event)
+        budget = cfg.time_budget_s
+        if cfg.max_overhead is not None:
+            # earn training time in proportion to the stall; spend it only when a step is affordable
+            self._allowance = min(self._allowance + cfg.max_overhead * event.step_time_s, cfg.time_budget_s)
+            if self._allowance < self._step_cost:
+                return
+            budget = self._allowance
+        start = time.perf_counter()
+        steps = self._train_steps(budget, cfg.max_steps_per_event)
         if steps:
+            used = time.perf_counter() - start
+            self._step_cost = used / steps
+            if cfg.max_overhead is not None:
+                self._allowance -= used
             self.step_log.append(("stall", event.active_rows, steps))
 
     def _train_while_waiting(self) -> None:
@@ -377,22 +402,33 @@ class DrafterCoTrainCallback(Callback):
         return steps
 
     def _one_step(self) -> None:
+        """One drafter update, with no host sync: a non-finite loss is skipped on the device.
+
+        The fused AdamW reads ``found_inf`` (as under ``GradScaler``): when it is 1 the kernel
+        leaves parameters, moments and the step count untouched, so a NaN or infinite loss is never
+        applied, and the count of skipped steps stays a device tensor until it is logged.
+        """
         assert self.drafter is not None and self.optimizer is not None and self.scheduler is not None
         cfg = self.config
         batch = self.buffer.sample(cfg.batch_size, device=self.drafter.fc.weight.device)
         out = self._loss(self.drafter, batch)
         self.total_steps += 1
-        if not bool(torch.isfinite(out.loss)):
-            self.skipped_nonfinite += 1
-            self._window.skipped += 1
-            return
+        finite = torch.isfinite(out.loss.detach())
+        found_inf = (~finite).to(torch.float32)
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         if cfg.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), cfg.max_grad_norm)
+        self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         self.optimizer.step()
         self.scheduler.step()
-        self._window.add(out.loss.detach(), out.stats)
+        self._skipped = found_inf if self._skipped is None else self._skipped + found_inf
+        self._window.add(finite, out.loss.detach(), out.stats)
+
+    @property
+    def skipped_nonfinite(self) -> int:
+        """Drafter updates skipped because the loss was NaN or infinite (reads a device counter)."""
+        return self._skipped_before + (int(self._skipped.item()) if self._skipped is not None else 0)
 
     def _loss(self, drafter: EagleDrafter, batch: EagleBatch) -> Any:
         dtype = drafter.fc.weight.dtype
@@ -486,10 +522,11 @@ class DrafterCoTrainCallback(Callback):
             "drafter/published": float(published),
             "drafter/buffer_sequences": float(len(self.buffer)),
         }
-        if w.applied and w.loss is not None and w.stats is not None:
-            metrics["drafter/loss"] = float(w.loss / w.applied)
+        applied = float(w.applied) if w.applied is not None else 0.0
+        if applied > 0 and w.loss is not None and w.stats is not None:
+            metrics["drafter/loss"] = float(w.loss / applied)
             for key in ("feature_loss", "token_loss", "top1_accuracy", "accept_rate"):
-                metrics[f"drafter/{key}"] = float(w.stats[key] / w.applied)
+                metrics[f"drafter/{key}"] = float(w.stats[key] / applied)
         if heldout is not None:
             metrics["drafter/heldout_accept_rate"] = heldout[0]
             metrics["drafter/heldout_accept_rate_published"] = heldout[1]
@@ -563,7 +600,7 @@ class DrafterCoTrainCallback(Callback):
         self.version = int(state["version"])
         self.publications = int(state["publications"])
         self.total_steps = int(state["total_steps"])
-        self.skipped_nonfinite = int(state["skipped_nonfinite"])
+        self._skipped_before, self._skipped = int(state["skipped_nonfinite"]), None
         self._harvested_step = state.get("harvested_step")
         self.buffer.load_state_dict(state["buffer"])
         self._pending_tuner_state = state.get("tuner")
@@ -577,28 +614,31 @@ class DrafterCoTrainCallback(Callback):
 class _Window:
     """Figures accumulated between two RL step boundaries (then logged and reset).
 
-    Loss statistics stay device tensors until `_log` reads them once: no host read per step beyond
-    the non-finite check.
+    Loss statistics stay device tensors until `_log` reads them once: no host read per step.
     """
 
     steps: int = 0
-    applied: int = 0
-    skipped: int = 0
     wait_steps: int = 0
     wait_s: float = 0.0
     stall_available_s: float = 0.0
     stall_used_s: float = 0.0
+    applied: Tensor | None = None
     loss: Tensor | None = None
     stats: dict[str, Tensor] | None = None
 
-    def add(self, loss: Tensor, stats: dict[str, Tensor]) -> None:
-        self.applied += 1
-        self.loss = loss if self.loss is None else self.loss + loss
-        if self.stats is None:
-            self.stats = dict(stats)
-        else:
-            for key, value in stats.items():
-                self.stats[key] = self.stats[key] + value
+    def add(self, finite: Tensor, loss: Tensor, stats: dict[str, Tensor]) -> None:
+        """Add one update's loss and stats, counted only if ``finite`` (a device bool)."""
+        zero = torch.zeros((), dtype=loss.dtype, device=loss.device)
+        kept = {k: torch.where(finite, v.to(loss.dtype), zero) for k, v in stats.items()}
+        loss = torch.where(finite, loss, zero)
+        count = finite.to(loss.dtype)
+        if self.applied is None or self.loss is None or self.stats is None:
+            self.applied, self.loss, self.stats = count, loss, kept
+            return
+        self.applied = self.applied + count
+        self.loss = self.loss + loss
+        for key, value in kept.items():
+            self.stats[key] = self.stats[key] + value
 
 
 def _world_size() -> int:

@@ -171,7 +171,9 @@ def test_sampled_distribution_is_the_policys(cotrained, which: str) -> None:  # 
 
 def test_trains_only_inside_stall_events() -> None:
     policy = build_model("qwen2", "tiny", seed=0)
-    cfg = DrafterCoTrainConfig(stall_threshold=2, max_steps_per_event=1, time_budget_s=60.0, batch_size=2)
+    cfg = DrafterCoTrainConfig(
+        stall_threshold=2, max_steps_per_event=1, time_budget_s=60.0, batch_size=2, max_overhead=None
+    )
     engine = RolloutEngine(policy, max_seq_len=48, max_batch_size=8)
     cb = DrafterCoTrainCallback(cfg, engine=engine)
     cb.setup_drafter(policy)
@@ -204,6 +206,36 @@ def test_trains_only_inside_stall_events() -> None:
     assert [entry[1] for entry in cb.step_log] == [e.active_rows for e in stall]
 
 
+def test_stall_training_is_bounded_by_max_overhead() -> None:
+    """Each stall step earns max_overhead x its time; training never spends more than was earned
+    (plus the one step that measures the cost), so decoding slows by at most about that share."""
+    policy = build_model("qwen2", "tiny", seed=0)
+    cfg = DrafterCoTrainConfig(stall_threshold=4, max_steps_per_event=4, time_budget_s=1.0, batch_size=2,
+                               max_overhead=0.25)
+    cb = DrafterCoTrainCallback(cfg)
+    cb.setup_drafter(policy)
+    fill_buffer(cb, policy, rollouts(policy, PROMPT, 4, 8, seed=1), len(PROMPT))
+    step_time = 0.004  # a synthetic decode step of 4 ms at 2 active rows
+    for i in range(200):
+        cb.on_step_event(StepEvent(i, "decode", 2, 0, 8, step_time, new_tokens=2))
+    available, used = cb._window.stall_available_s, cb._window.stall_used_s
+    assert available == pytest.approx(200 * step_time)
+    per_step = used / cb.total_steps
+    assert cb.total_steps >= 2  # it did train in the stalls ...
+    assert used <= 0.25 * available + 2 * per_step  # ... within the earned share
+    assert cb.total_steps < 200  # not after every stall step, as with max_overhead=None
+    # outside stalls nothing is earned and nothing trained
+    before = cb.total_steps
+    for i in range(50):
+        cb.on_step_event(StepEvent(i, "decode", 6, 0, 8, step_time, new_tokens=6))
+    assert cb.total_steps == before
+
+
+def test_max_overhead_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_overhead"):
+        DrafterCoTrainConfig(max_overhead=1.5)
+
+
 def test_nonfinite_loss_is_skipped_and_counted() -> None:
     policy = build_model("qwen2", "tiny", seed=0)
     cb = DrafterCoTrainCallback(DrafterCoTrainConfig(heldout_fraction=0.0, batch_size=2))
@@ -218,7 +250,16 @@ def test_nonfinite_loss_is_skipped_and_counted() -> None:
     assert cb.skipped_nonfinite == 3 and cb.total_steps == 3
     for name, value in drafter.state_dict().items():
         assert torch.equal(value, before[name]), name
-    assert cb.optimizer is not None and cb.optimizer.state_dict()["state"] == {}  # never stepped
+    # the fused AdamW skipped on the device: no step counted, moments untouched
+    assert cb.optimizer is not None
+    for state in cb.optimizer.state_dict()["state"].values():
+        assert float(state["step"]) == 0.0
+        assert not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+    # then a finite batch trains again
+    cb.buffer.clear()
+    fill_buffer(cb, policy, seqs, len(PROMPT))
+    assert cb._train_steps(budget_s=60.0, max_steps=2) == 2 and cb.skipped_nonfinite == 3
+    assert any(not torch.equal(v, before[k]) for k, v in drafter.state_dict().items())
 
 
 def test_publish_copies_in_place_with_version() -> None:
@@ -259,7 +300,7 @@ def make(seed: int = 0, speculative: SpeculativeConfig | None = None) -> tuple[G
 def callback() -> DrafterCoTrainCallback:
     # 8 rows decode together: a threshold of 8 makes every decode step a stall (selectivity is tested above)
     cfg = DrafterCoTrainConfig(
-        stall_threshold=8, max_steps_per_event=1, time_budget_s=60.0, batch_size=4, learning_rate=1e-3,
+        stall_threshold=8, max_steps_per_event=1, time_budget_s=60.0, batch_size=4, learning_rate=1e-3, max_overhead=None,
         heldout_fraction=0.25, seed=0,
     )  # fmt: skip
     return DrafterCoTrainCallback(cfg)

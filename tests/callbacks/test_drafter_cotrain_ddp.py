@@ -70,7 +70,7 @@ def main(out_dir: str) -> None:
         data.add_listener(lambda event: time.sleep(RANK1_DELAY_S) if event.phase == "done" else None)
     cb = DrafterCoTrainCallback(
         DrafterCoTrainConfig(
-            stall_threshold=8, max_steps_per_event=1, time_budget_s=60.0, batch_size=4, learning_rate=1e-3,
+            stall_threshold=8, max_steps_per_event=1, time_budget_s=60.0, batch_size=4, learning_rate=1e-3, max_overhead=None,
             heldout_fraction=0.25, wait_max_steps=50, wait_budget_s=30.0, seed=0,
         )
     )  # fmt: skip
