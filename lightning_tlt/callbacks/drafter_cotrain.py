@@ -105,6 +105,11 @@ class DrafterCoTrainConfig:
     """Weight of the soft cross-entropy term (EAGLE: 0.1)."""
     publish_every_n_steps: int = 1
     """Publish to the engine every this many RL steps (TLT's docs advise about 10)."""
+    handoff_margin: float | None = 0.0
+    """While the engine speculates with a model-free drafter (``SpeculativeConfig(method="suffix")``,
+    TLT's cold start), the EAGLE drafter replaces it only once its held-out expected acceptance
+    length beats the engine's measured one by this margin (tokens per verify step); ``None``
+    publishes it from the first step regardless."""
     publish_if_improves: bool = False
     """Publish only when the held-out acceptance rate beats the published drafter's."""
     eval_temperature: float = 1.0
@@ -294,10 +299,30 @@ class DrafterCoTrainCallback(Callback):
         drafter = self.setup_drafter(pl_module.policy)
         pl_module.harvest_features = True
         engine = self.engine(trainer)
-        self.published = publish_drafter(
-            engine, self.published if self.published is not None else drafter, self.version
-        )
+        if self.published is not None or not self._model_free(engine):
+            self.published = publish_drafter(
+                engine, self.published if self.published is not None else drafter, self.version
+            )
         self._listen(trainer, engine)
+
+    def _model_free(self, engine: Any) -> bool:
+        """Whether the engine drafts with a model-free drafter that the EAGLE drafter must beat first."""
+        current = getattr(engine, "drafter", None)
+        return self.config.handoff_margin is not None and current is not None and not isinstance(current, EagleDrafter)
+
+    def _beats_engine(self, trainer: pl.Trainer, engine: Any, heldout: tuple[float, float] | None) -> bool:
+        """The hand-off test: held-out expected acceptance length vs the engine's measured one (rank-mean)."""
+        assert self.config.handoff_margin is not None
+        stats = getattr(engine, "last_stats", None) or {}
+        measured = float(stats.get("spec/acceptance_length", 1.0))
+        values = torch.tensor([measured if measured == measured else 1.0, -1.0 if heldout is None else heldout[0]],
+                              dtype=torch.float64, device=self.drafter.fc.weight.device)  # type: ignore[union-attr]
+        if _world_size() > 1:
+            values = trainer.strategy.reduce(values, reduce_op="mean")
+        if heldout is None:
+            return False
+        expected = expected_acceptance_length(min(1.0, max(0.0, float(values[1]))), self.config.eval_draft_tokens)
+        return expected > float(values[0]) + self.config.handoff_margin
 
     def engine(self, trainer: pl.Trainer | None = None) -> Any:
         """The engine this callback publishes to (the given one, else ``trainer.datamodule.engine``)."""
@@ -460,14 +485,18 @@ class DrafterCoTrainCallback(Callback):
         heldout = self._heldout_accept_rates(trainer)
         step = trainer.global_step
         published = False
-        if step % self.config.publish_every_n_steps == 0:
+        engine = self.engine(trainer)
+        handoff_pending = self._model_free(engine) and not self._beats_engine(trainer, engine, heldout)
+        if step % self.config.publish_every_n_steps == 0 and not handoff_pending:
             improves = heldout is None or heldout[0] > heldout[1]
             if not self.config.publish_if_improves or (heldout is not None and improves):
                 self.version += 1
                 self.publications += 1
-                self.published = publish_drafter(self.engine(trainer), self.drafter, self.version)
+                self.published = publish_drafter(engine, self.drafter, self.version)
                 published = True
         self._log(pl_module, heldout, published)
+        pl_module.log("drafter/eagle_drafting", float(isinstance(getattr(engine, "drafter", None), EagleDrafter)),
+                      on_step=True, on_epoch=False, batch_size=1)
 
     def _harvest(self, pl_module: pl.LightningModule) -> None:
         feats = getattr(pl_module, "last_policy_features", None)

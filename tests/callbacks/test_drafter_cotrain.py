@@ -24,6 +24,7 @@ from lightning_tlt.callbacks.drafter_cotrain import (
 from lightning_tlt.data.datamodule import RolloutDataModule
 from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.drafters.export import export_drafter
+from lightning_tlt.drafters.suffix import SuffixDrafter
 from lightning_tlt.models.zoo import build_model
 from lightning_tlt.rl.config import GRPOConfig
 from lightning_tlt.rl.grpo import GRPOModule
@@ -339,6 +340,24 @@ def test_trainer_harvests_trains_in_stalls_publishes_and_logs(tmp_path: Path) ->
     assert trained_rows and all(float(r["drafter/stall_time_used_s"]) > 0 for r in trained_rows)
     assert all(0.0 <= float(r["drafter/top1_accuracy"]) <= 1.0 for r in trained_rows)
     assert any(r.get("drafter/heldout_accept_rate") for r in rows)
+
+
+@pytest.mark.parametrize("margin", [-100.0, 100.0])
+def test_suffix_drafter_speculates_until_the_eagle_drafter_beats_it(tmp_path: Path, margin: float) -> None:
+    """TLT's cold start: the model-free drafter speculates first; the EAGLE drafter takes over only
+    once its held-out expected acceptance length beats the engine's measured one (plus the margin)."""
+    module, data = make(speculative=SpeculativeConfig(method="suffix", threshold=8, hysteresis_steps=1))
+    cb = callback()
+    cb.config.handoff_margin = margin
+    trainer(tmp_path, 3, [cb], enable_checkpointing=False).fit(module, datamodule=data)
+    engine = data.engine
+    assert "spec/acceptance_length" in engine.last_stats  # the suffix drafter did speculate
+    if margin < 0:  # any held-out estimate beats the suffix drafter's by -100: handed off at the first boundary
+        assert isinstance(engine.drafter, EagleDrafter) and engine.drafter is cb.published
+        assert cb.version == 3
+    else:  # never good enough: the suffix drafter stays, nothing is published
+        assert isinstance(engine.drafter, SuffixDrafter) and cb.published is None
+        assert cb.version == 0 and cb.total_steps > 0  # it still trained in the stalls
 
 
 def test_checkpoint_resume_and_export(tmp_path: Path) -> None:
