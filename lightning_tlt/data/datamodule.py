@@ -321,9 +321,11 @@ class RolloutDataModule(pl.LightningDataModule):
         return _ResumableLoader(self, "train")
 
     @override
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> DataLoader | list[Any]:
         if self.eval_data is None:
-            raise ValueError("validate needs eval_dataset (or a zoo task name as dataset)")
+            if self.trainer is not None and self.trainer.state.fn == "validate":
+                raise ValueError("validate needs eval_dataset (or a zoo task name as dataset)")
+            return []  # fit without evaluation prompts: no validation loop
         return DataLoader(_RolloutStream(self, "eval"), batch_size=None, num_workers=0)
 
     def _order(self, epoch: int) -> list[int]:

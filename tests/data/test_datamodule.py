@@ -183,3 +183,22 @@ def test_training_forward_reproduces_the_engines_logprobs(policy: torch.nn.Modul
         fwd = completion_forward(policy, batch, temperature=0.7)
     mask = batch.completion_mask.bool()
     torch.testing.assert_close(fwd.logps[mask], batch.sampling_logprobs[mask], atol=2e-4, rtol=1e-4)
+
+
+def test_fit_without_eval_prompts_and_validate_needs_them(tmp_path) -> None:  # noqa: ANN001
+    import lightning.pytorch as pl
+
+    from lightning_tlt.rl.config import GRPOConfig
+    from lightning_tlt.rl.grpo import GRPOModule
+
+    def run(fn: str) -> None:
+        module = GRPOModule(build_model("qwen2", "tiny", seed=0), GRPOConfig(num_generations=2, max_completion_length=4))
+        data = RolloutDataModule(ROWS, [length_reward], prompts_per_step=2)
+        trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+        getattr(trainer, fn)(module, datamodule=data)
+        assert trainer.global_step == (1 if fn == "fit" else 0)
+
+    run("fit")  # a plain dataset has no eval split: fit runs without validation (sanity check included)
+    with pytest.raises(ValueError, match="validate needs eval_dataset"):
+        run("validate")
