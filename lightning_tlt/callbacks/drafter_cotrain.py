@@ -40,7 +40,7 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -154,8 +154,9 @@ class DrafterCoTrainConfig:
         if self.eval_draft_tokens < 1:
             raise ValueError(f"eval_draft_tokens must be >= 1, got {self.eval_draft_tokens!r}")
         if self.feature_layers is not None:
-            self.feature_layers = tuple(self.feature_layers)  # type: ignore[assignment]
-            if len(self.feature_layers) != 3:
+            layers = tuple(self.feature_layers)
+            self.feature_layers = layers  # type: ignore[assignment]
+            if len(layers) != 3:
                 raise ValueError(
                     f"feature_layers must be three hidden_states indices or None, got {self.feature_layers!r}"
                 )
@@ -296,8 +297,8 @@ class DrafterCoTrainCallback(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._trainer = trainer
-        drafter = self.setup_drafter(pl_module.policy)
-        pl_module.harvest_features = True
+        drafter = self.setup_drafter(cast(torch.nn.Module, pl_module.policy))
+        setattr(pl_module, "harvest_features", True)  # noqa: B010  (RLModule's switch; typed loosely)
         engine = self.engine(trainer)
         if self.published is not None or not self._model_free(engine):
             self.published = publish_drafter(
@@ -341,7 +342,7 @@ class DrafterCoTrainCallback(Callback):
         if self._listening_to is not None:
             return
         datamodule = getattr(trainer, "datamodule", None)
-        host = datamodule if self._engine is None and hasattr(datamodule, "add_listener") else engine
+        host: Any = datamodule if self._engine is None and hasattr(datamodule, "add_listener") else engine
         host.add_listener(self.on_step_event)
         self._listening_to = host
 
@@ -351,7 +352,7 @@ class DrafterCoTrainCallback(Callback):
             self._listening_to.remove_listener(self.on_step_event)
             self._listening_to = None
         if hasattr(pl_module, "harvest_features"):
-            pl_module.harvest_features = False
+            setattr(pl_module, "harvest_features", False)  # noqa: B010
 
     # ------------------------------------------------------------------ stalls
     def on_step_event(self, event: StepEvent) -> None:

@@ -41,7 +41,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -95,12 +95,12 @@ class EagleDecoderLayer(nn.Module):
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        head_dim = config.head_dim
+        heads = int(config.num_attention_heads)
         self.self_attn = _Attention(
             config.hidden_size,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            head_dim,
+            heads,
+            int(config.num_key_value_heads or heads),
+            int(config.head_dim or config.hidden_size // heads),
             config.attention_bias,
         )
         self.post_attention_layernorm = _RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -189,6 +189,9 @@ class EagleDrafter(nn.Module):
 
     name: str = "eagle"
     needs_features: bool = True
+    inv_freq: Tensor
+    _embed_tokens: Any  # the policy's modules (shared, not registered)
+    _lm_head: Any
 
     def __init__(
         self,
@@ -223,7 +226,8 @@ class EagleDrafter(nn.Module):
         self.register_buffer("inv_freq", rotary_inv_freq.detach().clone().float(), persistent=False)
         self.rope_scaling = float(rope_scaling)
         self._init_weights(generator)
-        self.to(device=embed_tokens.weight.device, dtype=embed_tokens.weight.dtype)
+        weight: Tensor = embed_tokens.weight  # type: ignore[assignment]
+        self.to(device=weight.device, dtype=weight.dtype)
         self.inv_freq = self.inv_freq.float()
 
     def _init_weights(self, generator: torch.Generator | None) -> None:
@@ -252,19 +256,19 @@ class EagleDrafter(nn.Module):
                 `default_eagle3_layers`), or ``None`` for EAGLE-1 (the last hidden state).
             generator: initialisation randomness.
         """
-        model = unwrap_model(model)
-        target = model.config
+        hf: Any = unwrap_model(model)  # an HF causal LM: attributes typed loosely on purpose
+        target = hf.config
         num_layers = int(target.num_hidden_layers)
         if feature_layers is not None and any(not 0 <= i <= num_layers for i in feature_layers):
             raise ValueError(
                 f"feature_layers must be hidden_states indices in [0, {num_layers}], got {feature_layers!r}"
             )
         config = drafter_config(target)
-        rotary = model.model.rotary_emb
+        rotary = hf.model.rotary_emb
         return cls(
             config,
-            model.model.embed_tokens,
-            model.lm_head,
+            hf.model.embed_tokens,
+            hf.lm_head,
             rotary.inv_freq,
             float(getattr(rotary, "attention_scaling", 1.0)),
             feature_layers,
@@ -348,11 +352,16 @@ class EagleDrafter(nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        return int(self.config.num_key_value_heads)
+        return int(self.config.num_key_value_heads or self.num_heads)
 
     @property
     def head_dim(self) -> int:
-        return int(self.config.head_dim)
+        return int(self.config.head_dim or self.config.hidden_size // self.num_heads)
+
+    @property
+    def layer(self) -> EagleDecoderLayer:
+        """The decoder layer, ``layers[0]`` (what `lightning_tlt.models.runner.decoder_layer` runs)."""
+        return cast(EagleDecoderLayer, self.layers[0])
 
     # ------------------------------------------------------------------ forward
     def input_hidden(self, features: Tensor, input_ids: Tensor) -> Tensor:
@@ -386,7 +395,7 @@ class EagleDrafter(nn.Module):
             ``(B, T, H)`` predicted next features (no final norm; `logits` maps them to tokens).
         """
         x = self.input_hidden(features, input_ids)  # (B, T, H)
-        layer = self.layers[0]
+        layer = self.layer
         attn = layer.self_attn
         bsz, seq, _ = x.shape
         nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim

@@ -33,6 +33,8 @@ class AcceptanceLength(Metric):
 
     full_state_update = False
     higher_is_better = True
+    emitted: Tensor
+    rows: Tensor
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -53,6 +55,8 @@ class AcceptanceRateByPosition(Metric):
 
     full_state_update = False
     higher_is_better = True
+    accepted: Tensor
+    reached: Tensor
 
     def __init__(self, max_draft_tokens: int = 16, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -79,6 +83,8 @@ class SpeculativeShare(Metric):
     """Share of decode steps that speculated."""
 
     full_state_update = False
+    speculative: Tensor
+    steps: Tensor
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -100,6 +106,8 @@ class TokensPerSecond(Metric):
 
     full_state_update = False
     higher_is_better = True
+    tokens: Tensor
+    seconds: Tensor
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
