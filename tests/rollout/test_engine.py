@@ -266,3 +266,43 @@ def test_properties(tiny_llama: PreTrainedModel) -> None:
     assert engine.device == torch.device("cpu") and engine.dtype == torch.float32
     budget = RolloutEngine(tiny_llama, max_seq_len=16, memory_budget_bytes=10 * 2 * 2 * 16 * 64 * 4)
     assert budget.num_slots == 10  # 2 layers x (K, V) x 16 positions x 1 KV head x 64 dims x 4 bytes
+
+
+@pytest.mark.slow
+def test_compiled_step_matches_eager(tiny_qwen3: PreTrainedModel) -> None:
+    """The CUDA default, torch.compile(fullgraph=True) of the model step, traced and run on the CPU:
+    plain decode and the speculative verify (k + 1 tokens a row) give the eager engine's tokens."""
+    import warnings
+
+    from lightning_tlt.rollout.types import SpeculativeConfig
+
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]]
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=10, stop_token_ids=[])
+    ref = RolloutEngine(tiny_qwen3, max_seq_len=32, max_batch_size=2).generate(prompts, cfg)
+    spec = SpeculativeConfig(method="suffix", num_draft_tokens=3, threshold=1, hysteresis_steps=1)
+    engine = RolloutEngine(tiny_qwen3, max_seq_len=32, max_batch_size=2, compile=True, speculative=spec)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = engine.generate(prompts, cfg)
+    assert not [w for w in caught if "compile of the decode step failed" in str(w.message)]
+    assert engine._compiled is not engine._model_step
+    assert out.completion_ids == ref.completion_ids
+    assert out.stats["spec/steps"] > 0 and out.stats["steps_decode"] > 0
+
+
+def test_progress_bar_counts_tokens(tiny_qwen2: PreTrainedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tqdm.auto
+
+    bars: list[tqdm.auto.tqdm] = []
+
+    class RecordingBar(tqdm.auto.tqdm):  # the real bar, remembered for the assertions
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", RecordingBar)
+    engine = RolloutEngine(tiny_qwen2, max_seq_len=24, max_batch_size=2, progress=True)
+    engine.generate([[5, 6], [7]], SamplingConfig(temperature=0.0, max_new_tokens=5, stop_token_ids=[]))
+    assert len(bars) == 1 and bars[0].total == 10 and bars[0].n == 10 and bars[0].unit == "tok"
+    RolloutEngine(tiny_qwen2, max_seq_len=24, max_batch_size=2).generate([[5, 6]], SamplingConfig(max_new_tokens=2))
+    assert len(bars) == 1  # off by default
