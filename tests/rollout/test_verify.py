@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lightning_tlt.rollout.sampling import processed_probs
 from lightning_tlt.rollout.verify import acceptance_probs, residual_probs, verify_chain
@@ -268,3 +270,19 @@ def test_bad_shapes_raise() -> None:
         verify_chain(torch.zeros(2, 3, dtype=torch.long), None, torch.rand(2, 3, 5))
     with pytest.raises(ValueError, match=r"draft_probs must have shape"):
         verify_chain(torch.zeros(2, 3, dtype=torch.long), torch.rand(2, 2, 5), torch.rand(2, 4, 5))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    vocab=st.integers(2, 40),
+    temperature=st.sampled_from([0.0, 0.3, 1.0, 2.5]),
+    top_k=st.integers(0, 10),
+    top_p=st.floats(0.05, 1.0),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_exact_identity_property(vocab: int, temperature: float, top_k: int, top_p: float, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    p = processed_probs(random_logits((4, vocab), gen), temperature, top_k, top_p)
+    q = processed_probs(random_logits((4, vocab), gen), temperature, top_k, top_p)
+    a, r = acceptance_probs(p, q), residual_probs(p, q)
+    torch.testing.assert_close(q * a + (1 - (q * a).sum(-1, keepdim=True)) * r, p, atol=1e-6, rtol=0)
