@@ -516,6 +516,17 @@ class DrafterCoTrainCallback(Callback):
             mean = trainer.strategy.reduce(flat, reduce_op="mean")
             torch.nn.utils.vector_to_parameters(mean, params)
 
+    def _accept_rate(self, drafter: EagleDrafter, batch: EagleBatch) -> Tensor:
+        """Mean ``Σ min(p, q)`` over the masked rows, ``batch_size`` sequences at a time (the
+        ``(sequences, window, vocab)`` logits of a whole held-out set would not fit for large vocabularies)."""
+        total = torch.zeros((), dtype=torch.float64, device=batch.input_ids.device)
+        rows = torch.zeros((), dtype=torch.float64, device=batch.input_ids.device)
+        for start in range(0, len(batch), self.config.batch_size):
+            stats = self._loss(drafter, batch.select(start, start + self.config.batch_size)).stats
+            total += stats["accept_rate"].double() * stats["num_rows"].double()
+            rows += stats["num_rows"].double()
+        return total / rows.clamp_min(1.0)
+
     @torch.no_grad()
     def _heldout_accept_rates(self, trainer: pl.Trainer) -> tuple[float, float] | None:
         """Held-out ``Σ min(p, q)`` of (the trained drafter, the published one), rank-mean; ``None`` without data."""
@@ -525,10 +536,10 @@ class DrafterCoTrainCallback(Callback):
         if batch is not None and bool(batch.loss_mask.any()):
             was_training = self.drafter.training
             self.drafter.eval()
-            local[0] = self._loss(self.drafter, batch).stats["accept_rate"].double()
+            local[0] = self._accept_rate(self.drafter, batch)
             self.drafter.train(was_training)
             published = self.published if self.published is not None else self.drafter
-            local[1] = self._loss(published, batch).stats["accept_rate"].double()
+            local[1] = self._accept_rate(published, batch)
             local[2] = 1.0
         if _world_size() > 1:
             local = trainer.strategy.reduce(local, reduce_op="sum")

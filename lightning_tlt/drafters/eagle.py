@@ -125,6 +125,20 @@ class EagleBatch:
     attention_mask: Tensor | None = None
     """``(B, T-1)`` bool: real rows (``None``: all); padding rows are never attended to."""
 
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def select(self, start: int, stop: int) -> EagleBatch:
+        """The sequences ``start:stop`` (to evaluate a large batch in chunks)."""
+        return EagleBatch(
+            features=self.features[start:stop],
+            input_ids=self.input_ids[start:stop],
+            position_ids=self.position_ids[start:stop],
+            target_features=self.target_features[start:stop],
+            loss_mask=self.loss_mask[start:stop],
+            attention_mask=None if self.attention_mask is None else self.attention_mask[start:stop],
+        )
+
 
 def align_for_eagle(
     features: Tensor,

@@ -423,3 +423,20 @@ def test_config_overrides_and_validation() -> None:
         DrafterCoTrainCallback(stall_threshold=0)
     with pytest.raises(ValueError, match="heldout_fraction must be in"):
         DrafterCoTrainConfig(heldout_fraction=1.0)
+
+
+def test_heldout_accept_rate_is_the_same_in_chunks() -> None:
+    policy = sharpened_policy()
+    seqs = rollouts(policy, PROMPT, 6, 10, seed=7)
+    rates = []
+    for batch_size in (1, 4, 64):
+        cb = DrafterCoTrainCallback(DrafterCoTrainConfig(batch_size=batch_size, heldout_fraction=0.0))
+        drafter = cb.setup_drafter(policy)
+        fill_buffer(cb, policy, seqs, len(PROMPT))
+        batch = cb.buffer._collate(list(cb.buffer._train), None, crop=False)
+        assert len(batch) == 6 and len(batch.select(4, 8)) == 2
+        with torch.no_grad():
+            rates.append(float(cb._accept_rate(drafter, batch)))
+    # row-weighted means over chunks equal the one-batch mean
+    assert rates[0] == pytest.approx(rates[2], rel=1e-5) and rates[1] == pytest.approx(rates[2], rel=1e-5)
+    assert 0.0 < rates[2] < 1.0
