@@ -327,7 +327,8 @@ class RolloutEngine:
         assert self._runner is not None
         spec = self._runner.spec
         device, dtype = self.device, self.dtype
-        layout = (device, dtype, self.num_slots if self._cache is None else self._cache.num_slots)
+        capture = self._capture_layers()
+        layout = (device, dtype, self.num_slots if self._cache is None else self._cache.num_slots, capture)
         if self._cache is not None and self._layout == layout:
             return
         slots = self.num_slots
@@ -347,7 +348,7 @@ class RolloutEngine:
             out_logprobs=torch.zeros(slots, m + 1, dtype=torch.float32, device=device),
             stop_ids=torch.full((_MAX_STOP_IDS,), -1, dtype=torch.long, device=device),
             max_new=torch.zeros((), dtype=torch.long, device=device),
-            hidden=torch.zeros(slots, spec.hidden_size, dtype=dtype, device=device),
+            hidden=torch.zeros(slots, spec.hidden_size * max(1, len(capture)), dtype=dtype, device=device),
         )
         on_cuda = device.type == "cuda"
         use_graphs = on_cuda if self._use_cuda_graphs is None else self._use_cuda_graphs
@@ -380,13 +381,26 @@ class RolloutEngine:
             self._graphs.clear()
         self._param_ptrs = ptrs
 
+    def _capture_layers(self) -> tuple[int, ...]:
+        """HF ``hidden_states`` indices an EAGLE-3 drafter reads (``()``: the last hidden state)."""
+        layers = getattr(self.drafter, "feature_layers", None) if self._spec_on_runner else None
+        return tuple(layers) if layers else ()
+
+    @property
+    def _spec_on_runner(self) -> bool:
+        return self.speculative.enabled and self._runner is not None
+
     def _model_step(
-        self, tokens: Tensor, positions: Tensor, k: list[Tensor], v: list[Tensor]
+        self, tokens: Tensor, positions: Tensor, k: list[Tensor], v: list[Tensor], capture: tuple[int, ...] = ()
     ) -> tuple[Tensor, Tensor]:
+        """Logits ``(B, q, V)`` and features ``(B, q, F)``: the last hidden state, or the EAGLE-3
+        concatenation of the ``capture`` layers' hidden states."""
         assert self._runner is not None
-        out = self._runner.forward(tokens, positions, k, v)
+        out = self._runner.forward(tokens, positions, k, v, capture_layers=capture)
         assert out.logits is not None
-        return out.logits, out.hidden
+        if not capture:
+            return out.logits, out.hidden
+        return out.logits, torch.cat([out.layer_hidden[i] for i in capture], dim=-1)
 
     def _sample(self, logits: Tensor, sampling: SamplingConfig) -> tuple[Tensor, Tensor]:
         """``(B, V)`` logits -> sampled tokens ``(B,)`` and their logprobs ``(B,)``."""
@@ -401,7 +415,8 @@ class RolloutEngine:
         st, cache = self._state, self._cache
         assert st is not None and cache is not None and self._compiled is not None
         tokens, positions = st.tokens[:batch], st.positions[:batch]
-        logits, hidden = self._compiled(tokens[:, None], positions[:, None], cache.k, cache.v)
+        capture = self._capture_layers()
+        logits, hidden = self._compiled(tokens[:, None], positions[:, None], cache.k, cache.v, capture)
         new, logp = self._sample(logits[:, -1], sampling)
         active = ~st.finished[:batch]
         st.hidden[:batch] = hidden[:, -1]
@@ -501,9 +516,12 @@ class RolloutEngine:
                 device=device, dtype=cache.dtype,
             )
             positions = torch.arange(longest, device=device)[None].expand(len(chunk), longest)
-            out = runner.forward(tokens.to(device), positions, scratch.k, scratch.v, prefill=True, logits=False)
+            capture = self._capture_layers()
+            out = runner.forward(tokens.to(device), positions, scratch.k, scratch.v, prefill=True, logits=False,
+                                 capture_layers=capture)
+            hidden = torch.cat([out.layer_hidden[i] for i in capture], -1) if capture else out.hidden
             last = torch.tensor([len(prompt_of[p]) - 2 for p in chunk], device=device)
-            features = out.hidden[torch.arange(len(chunk), device=device), last]  # (Bp, H)
+            features = hidden[torch.arange(len(chunk), device=device), last]  # (Bp, F)
             for row, p in enumerate(chunk):  # what an EAGLE drafter reads first (no re-prefill needed)
                 self._prompt_features[p] = features[row]
             dst = [s for p in chunk for s in by_prompt[p]]

@@ -117,7 +117,7 @@ class SpecDecoder:
     def allocate(self, num_slots: int, cache_len: int, device: torch.device, dtype: torch.dtype) -> None:
         """(Re)allocate the static buffers for the engine's slots."""
         engine = self.engine
-        hidden, vocab = engine.hidden_size, engine.vocab_size
+        vocab = engine.vocab_size
         rows = min(num_slots, engine._graphs.bucket(min(self.config.threshold, num_slots)))  # type: ignore[union-attr]
         self.spec_rows = rows
         self._cache_len = cache_len
@@ -126,7 +126,7 @@ class SpecDecoder:
             draft_tokens=torch.zeros(num_slots, self.max_k, **long),
             draft_lens=torch.zeros(num_slots, **long),
             draft_probs=torch.zeros(rows, self.max_k, vocab, device=device),
-            cu_feat=torch.zeros(num_slots, self.width, hidden, device=device, dtype=dtype),
+            cu_feat=torch.zeros(num_slots, self.width, engine._state.hidden.shape[1], device=device, dtype=dtype),  # type: ignore[union-attr]
             cu_tok=torch.zeros(num_slots, self.width, **long),
             cu_base=torch.zeros(num_slots, **long),
             cu_valid=torch.ones(num_slots, **long),
@@ -206,10 +206,12 @@ class SpecDecoder:
         if self._stale:
             buf.cu_fresh.zero_()
         if isinstance(drafter, EagleDrafter):
-            if drafter.feature_layers is not None:
+            width = st.hidden.shape[1]
+            expected = engine.hidden_size * (len(drafter.feature_layers) if drafter.feature_layers else 1)
+            if width != expected:
                 raise ValueError(
-                    "the engine speculates with EAGLE-1 drafters (features: the last hidden state); got an "
-                    f"EAGLE-3 drafter with feature_layers={drafter.feature_layers!r}"
+                    f"the drafter reads {expected}-wide features (feature_layers={drafter.feature_layers!r}) but the "
+                    f"engine keeps {width}-wide ones: replace engine.drafter between generate calls, not during one"
                 )
             self._ensure_drafter_cache(drafter)
             profile = GraphProfile("draft", batch, k + 1, (*sampling_key, id(drafter)))
@@ -349,7 +351,8 @@ class SpecDecoder:
         drafts = buf.draft_tokens[:batch, :k]
         inputs = torch.cat([st.tokens[:batch, None], drafts], dim=1)  # (B, k+1)
         offsets = torch.arange(k + 1, device=pos.device)
-        logits, hidden = engine._compiled(inputs, pos[:, None] + offsets[None], cache.k, cache.v)
+        capture = engine._capture_layers()
+        logits, hidden = engine._compiled(inputs, pos[:, None] + offsets[None], cache.k, cache.v, capture)
         target = processed_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # (B, k+1, V)
         lens = buf.draft_lens[:batch]
         q = None if probs is None else probs[:batch, :k]
@@ -375,13 +378,13 @@ class SpecDecoder:
         st.tokens[:batch] = torch.where(active, last, st.tokens[:batch])
         st.positions[:batch] = pos + take
         rows = torch.arange(batch, device=pos.device)
-        newest = hidden[rows, result.num_accepted]  # (B, H): the feature that predicted the new pending token
+        newest = hidden[rows, (take - 1).clamp_min(0)]  # (B, F): the feature that predicted the pending token
         st.hidden[:batch] = torch.where(active[:, None], newest.to(st.hidden.dtype), st.hidden[:batch])
         # the EAGLE catch-up block for the next step: true features and the tokens that followed them
         buf.cu_feat[:batch, : k + 1] = hidden.to(buf.cu_feat.dtype)
         buf.cu_tok[:batch, : k + 1] = toks
         buf.cu_base[:batch] = pos
-        buf.cu_valid[:batch] = result.num_emitted
+        buf.cu_valid[:batch] = take.clamp_min(1)
         buf.cu_fresh[:batch] = active
         buf.num_accepted[:batch] = torch.where(active, result.num_accepted, torch.zeros_like(take))
         buf.emitted[:batch] = take

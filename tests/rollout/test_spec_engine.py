@@ -146,11 +146,49 @@ def test_tuner_chooses_among_candidates(tiny_qwen2: PreTrainedModel) -> None:
     assert {key.split("_")[1] for key in arms} == {"k2", "k4"}  # both arms measured (epsilon 0.5)
 
 
-def test_eagle3_drafter_is_refused(tiny_qwen2: PreTrainedModel) -> None:
-    engine = RolloutEngine(tiny_qwen2, max_seq_len=32, max_batch_size=2, speculative=spec("eagle", threshold=2))
-    engine.drafter = EagleDrafter.from_target(tiny_qwen2, feature_layers=(0, 1, 2)).inference_copy()
-    with pytest.raises(ValueError, match=r"EAGLE-1 drafters.*feature_layers=\(0, 1, 2\)"):
-        engine.generate([[4, 5]], SamplingConfig(max_new_tokens=4))
+def test_eagle3_drafter_in_the_engine() -> None:
+    """An EAGLE-3 drafter (features of three layers, fused) drafts inside the engine: greedy stays
+    greedy, sampled logprobs stay the policy's, and the kept features are 3H wide."""
+    model = build_model("qwen3", "tiny", seed=0)
+    engine = RolloutEngine(model, max_seq_len=40, max_batch_size=4, speculative=spec("eagle", k=3))
+    engine.drafter = EagleDrafter.from_target(
+        model, feature_layers=(0, 1, 2), generator=torch.Generator().manual_seed(0)
+    ).inference_copy()
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=16, stop_token_ids=[])
+    out = engine.generate(PROMPTS[:3], greedy, num_samples=2)
+    plain = RolloutEngine(model, max_seq_len=40, max_batch_size=4).generate(PROMPTS[:3], greedy, num_samples=2)
+    assert out.completion_ids == plain.completion_ids
+    assert engine._state.hidden.shape[1] == 3 * model.config.hidden_size
+    assert out.stats["spec/steps"] > 0
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=12, stop_token_ids=[])
+    sampled = engine.generate(PROMPTS[:2], cfg, num_samples=2, generator=torch.Generator().manual_seed(2))
+    for prompt, completion, logprobs in zip(sampled.prompt_ids, sampled.completion_ids, sampled.logprobs):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+        ref = token_logprobs(processed_probs(logits, 1.0), torch.tensor(completion))
+        torch.testing.assert_close(torch.tensor(logprobs), ref, atol=1e-4, rtol=1e-4)
+    engine.drafter = EagleDrafter.from_target(model).inference_copy()  # back to EAGLE-1: buffers follow
+    assert engine.generate(PROMPTS[:3], greedy, num_samples=2).completion_ids == plain.completion_ids
+    assert engine._state.hidden.shape[1] == model.config.hidden_size
+
+
+def test_eagle_features_follow_the_alignment_convention() -> None:
+    """The features the engine keeps per slot are the policy's: after generation each slot's
+    feature equals HF's last hidden state at the position before the pending token."""
+    model = build_model("llama", "tiny", seed=0)
+    engine = RolloutEngine(model, max_seq_len=32, max_batch_size=2, speculative=spec("eagle", k=2, threshold=2))
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=20, stop_token_ids=[])
+    prompt = [4, 5, 6, 7]
+    engine.generate([prompt], cfg)
+    completion = engine.generate([prompt], cfg).completion_ids[0]
+    st = engine._state
+    # the finished row keeps its last pending token and the feature that predicted it
+    seq = prompt + completion
+    with torch.no_grad():
+        ref = model(torch.tensor([seq]), output_hidden_states=True).hidden_states[-1][0]
+    position = int(st.positions[0])
+    assert int(st.tokens[0]) == seq[position]
+    torch.testing.assert_close(st.hidden[0], ref[position - 1], atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
