@@ -212,6 +212,8 @@ class RolloutEngine:
     @property
     def num_slots(self) -> int:
         """Rows decoded together (the KV cache's slots)."""
+        if self._cache is not None:
+            return self._cache.num_slots
         if self._max_batch_size is not None:
             return self._max_batch_size
         config = self._hf.config
