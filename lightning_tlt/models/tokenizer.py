@@ -32,7 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<bos>"
@@ -116,7 +116,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerFast, prompt: str | Sequence[Mapping[str, Any]]) -> list[int]:
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | Sequence[Mapping[str, Any]]) -> list[int]:
     """Token ids of one TRL prompt, as the policy sees it before its completion.
 
     Args:
@@ -137,8 +137,9 @@ def encode_prompt(tokenizer: PreTrainedTokenizerFast, prompt: str | Sequence[Map
     if isinstance(prompt, Sequence) and all(
         isinstance(m, Mapping) and "role" in m and "content" in m for m in prompt
     ):
+        messages = [dict(m) for m in prompt if isinstance(m, Mapping)]
         ids = tokenizer.apply_chat_template(
-            [dict(m) for m in prompt], add_generation_prompt=True, tokenize=True, return_dict=False
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
         )
         if isinstance(ids, Mapping):  # some transformers versions return a BatchEncoding regardless
             ids = ids["input_ids"]

@@ -229,7 +229,8 @@ def _train(
         num_sanity_val_steps=0,
     )
     trainer.fit(module, train_dataloaders=loader)
-    return module.model.to("cpu").float().eval(), tokenizer, module.loss_history
+    trained: PreTrainedModel = module.model.cpu().float().eval()
+    return trained, tokenizer, module.loss_history
 
 
 @torch.no_grad()
@@ -255,7 +256,7 @@ def generate_completions(
             torch.arange(width, device=device)
             >= torch.tensor([width - len(ids) for ids in encoded], device=device)[:, None]
         ).long()
-        out = model.generate(
+        out = model.generate(  # type: ignore[operator]
             input_ids=input_ids,
             attention_mask=attention_mask,
             max_new_tokens=max_new_tokens,

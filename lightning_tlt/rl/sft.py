@@ -237,7 +237,8 @@ class SFTModule(LightningModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        decay, no_decay = [], []
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
         for name, p in self.model.named_parameters():
             if p.requires_grad:
                 (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
