@@ -49,7 +49,7 @@ class RolloutMetricsCallback(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        dm = trainer.datamodule
+        dm = getattr(trainer, "datamodule", None)
         if dm is not None and hasattr(dm, "add_listener"):
             dm.add_listener(self._on_event)
             self._datamodule = dm

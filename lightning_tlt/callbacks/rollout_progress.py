@@ -39,7 +39,7 @@ class RolloutProgressCallback(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._trainer = trainer
-        dm = trainer.datamodule
+        dm = getattr(trainer, "datamodule", None)
         if dm is not None and hasattr(dm, "add_listener"):
             dm.add_listener(self._on_event)
             self._datamodule = dm

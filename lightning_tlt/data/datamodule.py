@@ -226,7 +226,7 @@ class RolloutDataModule(pl.LightningDataModule):
                     f"leave it None to take the module's"
                 )
 
-    def _load(self, arg: Any, *, split: str, size: int) -> tuple[Dataset, Any]:
+    def _load(self, arg: Any, *, split: Literal["train", "test"], size: int) -> tuple[Dataset, Any]:
         from datasets import Dataset
 
         task = None

@@ -63,7 +63,7 @@ class PolicySpec:
         if self.warm_start is not None:
             from lightning_tlt.models.warmstart import warm_start
 
-            model, _ = warm_start(self.warm_start, self.arch, self.size, seed=self.seed, **self.warm_start_kwargs)
+            model: Any = warm_start(self.warm_start, self.arch, self.size, seed=self.seed, **self.warm_start_kwargs)[0]
             return model.to(dtype)
         from lightning_tlt.models.zoo import build_model
 
@@ -214,20 +214,25 @@ class RLModule(pl.LightningModule):
             raise ValueError("set Trainer(max_steps=...) (or max_epochs) so the learning-rate schedule has a length")
         return int(batches) * self.optimizer_steps_per_batch()
 
+    def _optimizer(self) -> Any:
+        optimizer = self.optimizers()
+        assert not isinstance(optimizer, list), "RL modules configure one optimizer"
+        return optimizer
+
     def _step(self, loss: Tensor) -> None:
         """One manual optimizer step on ``loss`` (backward, clip, step, schedule)."""
-        optimizer = self.optimizers()
+        optimizer = self._optimizer()
         optimizer.zero_grad(set_to_none=True)
         self.manual_backward(loss)
         if self.config.max_grad_norm > 0:
             self.clip_gradients(optimizer, gradient_clip_val=self.config.max_grad_norm, gradient_clip_algorithm="norm")
         optimizer.step()
-        scheduler = self.lr_schedulers()
+        scheduler: Any = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
 
     def _learning_rate(self) -> float:
-        return float(self.optimizers().param_groups[0]["lr"])
+        return float(self._optimizer().param_groups[0]["lr"])
 
     # ------------------------------------------------------------------ features and logging
     def _store_features(self, batch: RolloutBatch, hidden: Tensor | None) -> None:

@@ -53,6 +53,8 @@ class GRPOModule(RLModule):
         Trainer(max_steps=100).fit(module, datamodule=data)
     """
 
+    config: GRPOConfig
+
     def __init__(
         self,
         policy: nn.Module | PolicySpec,

@@ -56,6 +56,8 @@ class PPOModule(RLModule):
         seed: seeds the mini-batch shuffling (its generator is saved in checkpoints).
     """
 
+    config: PPOConfig
+
     def __init__(
         self,
         policy: nn.Module | PolicySpec,
@@ -68,7 +70,7 @@ class PPOModule(RLModule):
         super().__init__(policy)
         self.config = as_ppo_config(config)
         self.value_model = value_model
-        trunk = value_model if value_model is not None else self.policy
+        trunk: Any = value_model if value_model is not None else self.policy  # an HF model (has .config)
         hidden = int(trunk.config.hidden_size)
         dtype = next(trunk.parameters()).dtype
         self.value_head = nn.Linear(hidden, 1, dtype=dtype)
