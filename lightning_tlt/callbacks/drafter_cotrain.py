@@ -256,6 +256,7 @@ class DrafterCoTrainCallback(Callback):
         self._pending_tuner_state: dict[str, Any] | None = None
         self._harvested_step: int | None = None
         self._stream: Any = None
+        self._compute_dtype = torch.float32  # the policy's dtype (set with the drafter)
         self._window = _Window()
         self._allowance = 0.0  # earned stall training time not yet spent (max_overhead)
         self._step_cost = 0.0  # measured host time of the last drafter steps, per step
@@ -275,6 +276,11 @@ class DrafterCoTrainCallback(Callback):
             self.drafter = EagleDrafter.from_target(
                 unwrap_model(policy), feature_layers=cfg.feature_layers, generator=generator
             )
+        # float32 master weights: AdamW steps of ~lr are below one bf16 ulp of the weights; the
+        # forward runs under autocast in the policy's dtype, and the engine drafts with a copy in it
+        self._compute_dtype = self.drafter.embed_weight.dtype
+        if self.drafter.fc.weight.dtype in (torch.float16, torch.bfloat16):
+            self.drafter.float()
         self.drafter.train()
         self.optimizer = torch.optim.AdamW(
             self.drafter.parameters(),
@@ -458,13 +464,17 @@ class DrafterCoTrainCallback(Callback):
 
     def _loss(self, drafter: EagleDrafter, batch: EagleBatch) -> Any:
         dtype = drafter.fc.weight.dtype
-        pred = drafter(batch.features.to(dtype), batch.input_ids, batch.position_ids, batch.attention_mask)
-        target = batch.target_features.to(dtype)
+        device = drafter.fc.weight.device
+        low = self._compute_dtype if self._compute_dtype in (torch.float16, torch.bfloat16) else None
+        with torch.autocast(device_type=device.type, dtype=low or torch.bfloat16, enabled=low is not None):
+            pred = drafter(batch.features.to(dtype), batch.input_ids, batch.position_ids, batch.attention_mask)
+            target = batch.target_features.to(dtype)
+            pred_logits, target_logits = drafter.logits(pred), drafter.logits(target)
         return eagle_loss(
             pred,
             target,
-            drafter.logits(pred),
-            drafter.logits(target),
+            pred_logits,
+            target_logits,
             batch.loss_mask,
             feature_weight=self.config.feature_weight,
             token_weight=self.config.token_weight,

@@ -320,10 +320,12 @@ class EagleDrafter(nn.Module):
         read them)."""
         return write_eagle_dir(path, self.config.to_dict(), self.state_dict(), self.feature_layers)
 
-    def inference_copy(self) -> EagleDrafter:
+    def inference_copy(self, dtype: torch.dtype | None = None) -> EagleDrafter:
         """A frozen (no grad, eval) copy of the drafter's own weights, sharing the same embedding and head.
 
         What an engine drafts with while this one trains (`lightning_tlt.callbacks.drafter_cotrain`).
+        ``dtype``: of the copy; ``None`` takes the policy's (the shared embedding's), so a drafter
+        trained with float32 master weights drafts in the policy's bf16.
         """
         copy = EagleDrafter(
             self.config,
@@ -334,7 +336,8 @@ class EagleDrafter(nn.Module):
             self.feature_layers,
         )
         copy.load_state_dict(self.state_dict())
-        copy.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+        copy.to(device=self.fc.weight.device, dtype=dtype or self.embed_weight.dtype)
+        copy.inv_freq = copy.inv_freq.float()
         copy.requires_grad_(False)
         return copy.eval()
 

@@ -440,3 +440,27 @@ def test_heldout_accept_rate_is_the_same_in_chunks() -> None:
     # row-weighted means over chunks equal the one-batch mean
     assert rates[0] == pytest.approx(rates[2], rel=1e-5) and rates[1] == pytest.approx(rates[2], rel=1e-5)
     assert 0.0 < rates[2] < 1.0
+
+
+def test_bf16_policy_trains_float32_master_and_publishes_bf16() -> None:
+    policy = sharpened_policy().to(torch.bfloat16)
+    cb = DrafterCoTrainCallback(DrafterCoTrainConfig(learning_rate=3e-3, warmup_steps=0, heldout_fraction=0.0))
+    drafter = cb.setup_drafter(policy)
+    assert drafter.fc.weight.dtype == torch.float32  # master weights: updates of ~lr survive
+    seqs = rollouts(sharpened_policy(), PROMPT, 8, 12, seed=1)
+    fill_buffer(cb, policy, seqs, len(PROMPT))
+    batch = cb.buffer._collate(list(cb.buffer._train), None, crop=False)
+    with torch.no_grad():
+        before = float(cb._loss(drafter, batch).loss)
+    cb._train_steps(budget_s=float("inf"), max_steps=20)
+    with torch.no_grad():
+        after = float(cb._loss(drafter, batch).loss)
+    assert after < before and cb.skipped_nonfinite == 0
+
+    class Engine:
+        drafter = None
+        drafter_version = 0
+
+    published = publish_drafter(Engine(), drafter, 1)
+    assert published.fc.weight.dtype == torch.bfloat16  # the engine drafts in the policy's dtype
+    torch.testing.assert_close(published.fc.weight.float(), drafter.fc.weight, atol=1e-2, rtol=1e-2)
