@@ -159,7 +159,7 @@ class RolloutEngine:
         e.g. by `lightning_tlt.callbacks.drafter_cotrain.publish_drafter`."""
         self.drafter_version = 0
         """Version of the published drafter weights (set by whoever publishes them)."""
-        self._spec: SpecDecoder | None = None
+        self._spec = SpecDecoder(self, self.speculative) if self.speculative.enabled and self._runner else None
         if self.speculative.enabled and self._runner is None:
             warnings.warn(
                 f"{type(unwrap_model(model)).__name__} runs on the generic HF path, which does not speculate",
@@ -230,6 +230,12 @@ class RolloutEngine:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * CUDA_FREE_MEMORY_FRACTION)
         return max(1, min(MAX_AUTO_SLOTS, budget // per_slot))
+
+    @property
+    def tuner(self) -> Any:
+        """The draft-length tuner (`DraftLengthTuner`, built at the first speculative ``generate``
+        when ``num_draft_tokens`` is ``None``), or ``None``; its ``state_dict`` is what to checkpoint."""
+        return None if self._spec is None else self._spec.tuner
 
     @property
     def graph_stats(self) -> dict[str, float]:
@@ -369,8 +375,7 @@ class RolloutEngine:
         if use_compile:
             # the batch dimension turns dynamic after the second bucket: two compilations serve all buckets
             self._compiled = torch.compile(self._model_step, fullgraph=True)
-        if self.speculative.enabled:
-            self._spec = SpecDecoder(self, self.speculative)
+        if self._spec is not None:
             self._spec.allocate(slots, cache_len, device, dtype)
         self._pinned = [torch.zeros(slots, dtype=torch.bool, pin_memory=on_cuda) for _ in range(2)]
         self._pinned_next = 0

@@ -138,10 +138,15 @@ class SpecDecoder:
         )
         if isinstance(engine.drafter, EagleDrafter):
             self._ensure_drafter_cache(engine.drafter)
-        if self.config.num_draft_tokens is None and self.tuner is None:
+        on_cuda = device.type == "cuda"
+        if self.config.num_draft_tokens is None and (self.tuner is None or self.tuner._cuda != on_cuda):
+            # built once; rebuilt (keeping what it measured) only if the engine moved between CPU and CUDA
+            state = None if self.tuner is None else self.tuner.state_dict()
             self.tuner = DraftLengthTuner(
                 self.config.draft_candidates, epsilon=self.config.tuner_epsilon, device=device
             )
+            if state is not None:
+                self.tuner.load_state_dict(state)
         self.gate = AdaptiveGate(
             min(self.config.threshold, rows), self.config.hysteresis_steps, hard_limit=rows
         )

@@ -144,6 +144,12 @@ def test_tuner_chooses_among_candidates(tiny_qwen2: PreTrainedModel) -> None:
     assert out.completion_ids == plain.completion_ids
     arms = {key for key in out.stats if key.startswith("tuner/")}
     assert {key.split("_")[1] for key in arms} == {"k2", "k4"}  # both arms measured (epsilon 0.5)
+    tuner = engine.tuner
+    state = tuner.state_dict()
+    engine.drafter = EagleDrafter.from_target(tiny_qwen2).inference_copy()  # new buffers, same tuner
+    engine.generate(PROMPTS[:1], cfg)
+    assert engine.tuner is tuner and sum(tuner.state_dict()["counts"].values()) > sum(state["counts"].values())
+    assert RolloutEngine(tiny_qwen2, max_seq_len=8).tuner is None  # no speculation, no tuner
 
 
 def test_eagle3_drafter_in_the_engine() -> None:
