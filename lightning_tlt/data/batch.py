@@ -48,6 +48,8 @@ class RolloutBatch:
     """Names of the reward functions, in the column order of ``rewards_per_func``."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Rollout metrics under TRL's names (``reward``, ``completions/mean_length``, ...) and the kit's."""
+    extra_columns: dict[str, list[Any]] = field(default_factory=dict)
+    """Per-completion columns reward functions added with TRL's ``log_extra`` hook."""
 
     def __post_init__(self) -> None:
         b = self.completion_ids.shape[0]
@@ -108,6 +110,7 @@ class RolloutBatch:
             completions=[self.completions[i] for i in idx] if self.completions else [],
             reward_func_names=list(self.reward_func_names),
             metrics=dict(self.metrics),
+            extra_columns={k: [v[i] for i in idx] for k, v in self.extra_columns.items()},
         )
 
 

@@ -386,10 +386,20 @@ class RolloutDataModule(pl.LightningDataModule):
         columns = {k: [rec[k] for rec in records for _ in range(g)] for k in records[0] if k != "prompt"}
         step = self._trainer_step()
         t0 = time.perf_counter()
+        logged: dict[str, list[float]] = {}
+        extra_columns: dict[str, list[Any]] = {}
+
+        def log_metric(name: str, value: float) -> None:  # TRL's reward-function hook: a scalar metric
+            logged.setdefault(name, []).append(float(value))
+
+        def log_extra(column: str, values: list[Any]) -> None:  # TRL's hook: a column of the completions table
+            extra_columns[column] = list(values)
+
         per_func, failures = compute_rewards(
             self.reward_funcs, prompts=prompts, completions=completions, completion_ids=out.completion_ids,
             columns=columns, on_error=self.on_reward_error,
-            extra_kwargs={"trainer_state": TrainerStateView(step, self._max_steps())},
+            extra_kwargs={"trainer_state": TrainerStateView(step, self._max_steps()), "log_metric": log_metric,
+                          "log_extra": log_extra},
         )
         reward_time = time.perf_counter() - t0
         weights = torch.tensor(self.reward_weights, dtype=torch.float32) if self.reward_weights else None
@@ -402,6 +412,8 @@ class RolloutDataModule(pl.LightningDataModule):
             self._num_tokens += int(batch.prompt_mask.sum() + batch.completion_mask.sum())
             self._rl_step += 1
         batch.metrics = _metrics(batch, out, adv_stats, failures, reward_time, self._num_tokens)
+        batch.metrics.update({name: sum(v) / len(v) for name, v in logged.items()})
+        batch.extra_columns = extra_columns
         return batch
 
     def _trainer_step(self) -> int:

@@ -36,8 +36,11 @@ def make(policy: torch.nn.Module, funcs: list, **kw: object) -> RolloutDataModul
 def test_batch_layout_columns_and_async_rewards(policy: torch.nn.Module) -> None:
     seen: dict[str, list] = {}
 
-    def uses_columns(prompts, completions, completion_ids, answer, level, trainer_state, **kw):  # noqa: ANN001, ANN003
+    def uses_columns(prompts, completions, completion_ids, answer, level, trainer_state, log_metric, log_extra,  # noqa: ANN001
+                     **kw):  # noqa: ANN003
         seen.update(prompts=prompts, answer=answer, level=level, ids=completion_ids)
+        log_metric("custom/metric", 2.5)  # TRL's hooks for reward functions
+        log_extra("first_char", [c[:1] for c in completions])
         return [1.0 if c.startswith(a) else 0.0 for c, a in zip(completions, answer)]
 
     async def async_len(completions, **kw):  # noqa: ANN001, ANN003
@@ -58,6 +61,8 @@ def test_batch_layout_columns_and_async_rewards(policy: torch.nn.Module) -> None
     assert batch.metrics["rewards/async_len/mean"] == pytest.approx(0.5 * lengths.mean().item())
     assert batch.metrics["completions/mean_length"] == pytest.approx(batch.completion_mask.sum(1).float().mean().item())
     assert batch.metrics["num_tokens"] == float(batch.prompt_mask.sum() + batch.completion_mask.sum())
+    assert batch.metrics["custom/metric"] == 2.5
+    assert batch.extra_columns["first_char"] == [c[:1] for c in batch.completions]
     # advantages are group-relative: zero mean within each group of 3
     torch.testing.assert_close(batch.advantages.view(2, 3).sum(1), torch.zeros(2), atol=1e-5, rtol=0)
 
