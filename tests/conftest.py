@@ -58,3 +58,19 @@ def tiny_arch_model(request: pytest.FixtureRequest) -> PreTrainedModel:
 def generator() -> torch.Generator:
     """A CPU `torch.Generator` seeded with 0 (the library never seeds globally)."""
     return torch.Generator().manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def warm_arithmetic_policy(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """A tiny Qwen2 briefly warm-started on arithmetic (100 steps of 8, a few seconds, own tmp cache).
+
+    It writes the ``#### <answer>`` format but is rarely right; treat it as read-only.
+    """
+    from lightning_tlt.models.warmstart import warm_start
+
+    cache = tmp_path_factory.mktemp("warmstart-cache")
+    return warm_start(
+        "arithmetic", "qwen2", "tiny", steps=100, batch_size=8, lr=3e-3, cache_dir=cache, progress=False
+    )

@@ -211,6 +211,11 @@ class SFTModule(LightningModule):
         return torch.stack(self._losses).float().cpu().tolist()
 
     @override
+    def on_fit_start(self) -> None:
+        # zoo models are built in eval mode, and Lightning keeps the submodules' modes as it finds them
+        self.model.train()
+
+    @override
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False

@@ -118,7 +118,7 @@ def test_lr_schedule_and_config_validation() -> None:
 
 
 def test_sft_module_fits_with_a_real_trainer(tokenizer: PreTrainedTokenizerFast) -> None:
-    model = build_model("llama", "tiny", seed=1).train()
+    model = build_model("llama", "tiny", seed=1)  # eval mode: the module switches it to train
     data = get_task("countdown").make_sft_dataset(48, difficulty=1, seed=0).to_list()
     loader = DataLoader(data, batch_size=8, collate_fn=SFTCollator(tokenizer, max_length=128))
     module = SFTModule(model, SFTConfig(learning_rate=3e-3))
@@ -137,6 +137,7 @@ def test_sft_module_fits_with_a_real_trainer(tokenizer: PreTrainedTokenizerFast)
         val_dataloaders=DataLoader(data[:8], batch_size=8, collate_fn=SFTCollator(tokenizer)),
     )
     assert trainer.global_step == 6 and len(module.loss_history) == 6
+    assert model.training
     assert module.loss_history[0] == pytest.approx(
         math.log(128), abs=0.3
     )  # random init: ~uniform over the vocab
@@ -229,3 +230,13 @@ def test_warmstart_cli_trains_then_hits_the_cache(tmp_path: Path, capsys: pytest
     assert main(argv) == 0
     assert (entry / "model.safetensors").stat().st_mtime_ns == trained_at  # loaded, not retrained
     assert len([p for p in tmp_path.iterdir()]) == 1
+
+
+def test_warm_arithmetic_policy_fixture_writes_the_format(
+    warm_arithmetic_policy: tuple[PreTrainedModel, PreTrainedTokenizerFast],
+) -> None:
+    model, tokenizer = warm_arithmetic_policy
+    prompts = [p.prompt for p in get_task("arithmetic").problems(8, difficulty=1, seed=0, split="test")]
+    completions = generate_completions(model, tokenizer, prompts, max_new_tokens=48)
+    fmt = get_task("arithmetic").reward_funcs[1](prompts, completions)
+    assert sum(fmt) >= 6, completions  # 100 steps teach "... #### <integer>" (measured: 32 of 32)
