@@ -276,6 +276,11 @@ class DrafterCoTrainCallback(Callback):
             self.drafter = EagleDrafter.from_target(
                 unwrap_model(policy), feature_layers=cfg.feature_layers, generator=generator
             )
+        if self.drafter.feature_layers is not None:
+            raise ValueError(
+                f"co-training harvests the policy's last hidden state only (EAGLE-1); an EAGLE-3 drafter "
+                f"(feature_layers={self.drafter.feature_layers!r}) is trained offline: use feature_layers=None"
+            )
         # float32 master weights: AdamW steps of ~lr are below one bf16 ulp of the weights; the
         # forward runs under autocast in the policy's dtype, and the engine drafts with a copy in it
         self._compute_dtype = self.drafter.embed_weight.dtype

@@ -464,3 +464,9 @@ def test_bf16_policy_trains_float32_master_and_publishes_bf16() -> None:
     published = publish_drafter(Engine(), drafter, 1)
     assert published.fc.weight.dtype == torch.bfloat16  # the engine drafts in the policy's dtype
     torch.testing.assert_close(published.fc.weight.float(), drafter.fc.weight, atol=1e-2, rtol=1e-2)
+
+
+def test_eagle3_drafters_are_refused_for_cotraining() -> None:
+    policy = build_model("qwen2", "tiny", seed=0)
+    with pytest.raises(ValueError, match="last hidden state only"):
+        DrafterCoTrainCallback(feature_layers=(0, 1, 2)).setup_drafter(policy)
