@@ -121,7 +121,8 @@ class DrafterCoTrainConfig:
     average_across_ranks: bool = True
     """Average the drafter weights across ranks at each RL step boundary (DDP)."""
     feature_layers: tuple[int, int, int] | None = None
-    """EAGLE-3 features (three HF ``hidden_states`` indices); ``None``: EAGLE-1 (last hidden state)."""
+    """EAGLE-3 features (three HF ``hidden_states`` indices); ``None``: EAGLE-1 (last hidden state).
+    Co-training needs ``None`` for now: the training step harvests the last hidden state only."""
     side_stream: bool = True
     """On CUDA, train on a side stream (concurrently with decode)."""
     seed: int = 0
