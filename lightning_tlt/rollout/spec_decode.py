@@ -121,6 +121,8 @@ class SpecDecoder:
         rows = min(num_slots, engine._graphs.bucket(min(self.config.threshold, num_slots)))  # type: ignore[union-attr]
         self.spec_rows = rows
         self._cache_len = cache_len
+        # the metrics' states live where the verify results do: no host sync per step
+        self.metrics = SpeculationMetrics(max_draft_tokens=16, device=device)
         long = {"dtype": torch.long, "device": device}
         self.buffers = _SpecBuffers(
             draft_tokens=torch.zeros(num_slots, self.max_k, **long),
