@@ -7,6 +7,8 @@ from fractions import Fraction
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerFast
 from trl.data_utils import is_conversational, maybe_apply_chat_template
 
@@ -262,3 +264,18 @@ def test_difficulty_stretches_solutions(name: str) -> None:
     assert [task.max_completion_tokens(d) for d in (1, 2)] == sorted(
         {task.max_completion_tokens(d) for d in (1, 2)}
     )
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    parts=st.lists(
+        st.sampled_from(list("0123456789+-*/() #\n=x.") + ["####", "#### ", "\x00", "é"]), max_size=40
+    )
+)
+def test_rewards_never_raise_on_arbitrary_text(parts: list[str]) -> None:
+    text = "".join(parts)
+    kwargs = {"answer": ["(3+5)*2"], "numbers": [[3, 5, 2]], "target": [16]}
+    for completion in (text, [{"role": "assistant", "content": text}]):
+        for reward in (*TASKS["arithmetic"].reward_funcs, *TASKS["countdown"].reward_funcs):
+            (value,) = reward(["p"], [completion], **kwargs)
+            assert value in (0.0, 1.0)
