@@ -80,7 +80,11 @@ def _sync() -> None:
 
 
 def timed_generate(engine: RolloutEngine, prompts: list[list[int]], sampling: SamplingConfig, samples: int,
-                   seed: int) -> tuple[RolloutOutput, RowBinner, float]:
+                   seed: int, warmup: bool = True) -> tuple[RolloutOutput, RowBinner, float]:
+    """Generate ``prompts`` once untimed (captures every graph profile the timed run will meet: row
+    buckets, draft lengths the tuner tries), then once timed with step events binned by active rows."""
+    if warmup:
+        engine.generate(prompts, sampling, num_samples=samples, generator=torch.Generator().manual_seed(seed + 1000))
     binner = RowBinner()
     engine.add_listener(binner)
     _sync()
