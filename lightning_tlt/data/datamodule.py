@@ -94,7 +94,11 @@ class RolloutDataModule(pl.LightningDataModule):
         speculative: the engine's speculation (`SpeculativeConfig`); ``None`` does not speculate.
         max_batch_size: engine slots; ``None`` fits one step's ``prompts_per_step * num_generations`` rows.
         max_seq_len: engine context; ``None`` is the longest prompt plus ``max_new_tokens``.
-        engine_kwargs: further `RolloutEngine` options (``use_cuda_graphs``, ``compile``, ...).
+        engine: "native" (`RolloutEngine`, in-process over the policy's own parameters) or "vllm"
+            (`lightning_tlt.integrations.vllm.VLLMRolloutEngine` on a colocated ``vllm.LLM``, policy
+            weights pushed after each optimizer step; needs ``pip install lightning-tlt[vllm]``).
+        engine_kwargs: further options of the chosen engine (``use_cuda_graphs``, ``compile``, ...;
+            for vLLM ``gpu_memory_utilization``, ``enforce_eager``, ...).
         reward_weights: weight per reward function; ``None`` takes the module's, else 1 each.
         scale_rewards: "group", "batch" or "none"; ``None`` takes the module's.
         on_reward_error: "raise" stops on a reward function error (naming the prompt and completion),
@@ -117,6 +121,7 @@ class RolloutDataModule(pl.LightningDataModule):
         speculative: SpeculativeConfig | None = None,
         max_batch_size: int | None = None,
         max_seq_len: int | None = None,
+        engine: Literal["native", "vllm"] = "native",
         engine_kwargs: dict[str, Any] | None = None,
         reward_weights: list[float] | None = None,
         scale_rewards: str | None = None,
@@ -147,6 +152,9 @@ class RolloutDataModule(pl.LightningDataModule):
         self.sampling = sampling
         self.speculative = speculative
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        if engine not in ("native", "vllm"):
+            raise ValueError(f"engine must be 'native' or 'vllm', got {engine!r}")
+        self.engine_kind = engine
         self.engine_kwargs = dict(engine_kwargs or {})
         self.reward_weights = reward_weights
         self.scale_rewards = scale_rewards
@@ -265,20 +273,25 @@ class RolloutDataModule(pl.LightningDataModule):
 
     @property
     def engine(self) -> RolloutEngine:
-        """The `RolloutEngine` over the policy's own parameters, created on first use on its device."""
+        """The rollout engine (``engine`` says which), created on first use on the policy's device."""
         if self._engine is None:
-            from lightning_tlt.rollout.engine import RolloutEngine
-
             assert self.sampling is not None and self.num_generations is not None
             longest = max(len(p) for p in self._train_prompt_ids + self._eval_prompt_ids)
             rows = self.prompts_per_step * self.num_generations
-            self._engine = RolloutEngine(
-                self.policy,
+            kwargs = dict(
                 max_batch_size=self.max_batch_size or rows,
                 max_seq_len=self.max_seq_len or longest + self.sampling.max_new_tokens,
                 speculative=self.speculative,
                 **self.engine_kwargs,
             )
+            if self.engine_kind == "vllm":
+                from lightning_tlt.integrations.vllm import VLLMRolloutEngine
+
+                self._engine = VLLMRolloutEngine(self.policy, self.tokenizer, **kwargs)
+            else:
+                from lightning_tlt.rollout.engine import RolloutEngine
+
+                self._engine = RolloutEngine(self.policy, **kwargs)
             for fn in self._listeners:
                 self._engine.add_listener(fn)
         return self._engine

@@ -116,6 +116,22 @@ def test_bad_configuration_errors(policy: torch.nn.Module) -> None:
         make(policy, [length_reward], prompts_per_step=8)
 
 
+def test_engine_choice(policy: torch.nn.Module) -> None:
+    with pytest.raises(ValueError, match="engine must be 'native' or 'vllm', got 'sglang'"):
+        RolloutDataModule(ROWS, [length_reward], engine="sglang")  # type: ignore[arg-type]
+    from lightning_tlt.rollout.engine import RolloutEngine
+
+    native = make(policy, [length_reward])
+    assert isinstance(native.engine, RolloutEngine) and native.engine.model is policy
+    try:
+        import vllm  # noqa: F401
+    except ImportError:  # the main test venv: the vLLM engine is chosen, and says how to install vLLM
+        with pytest.raises(ImportError, match=r"lightning-tlt\[vllm\]"):
+            _ = make(policy, [length_reward], engine="vllm").engine
+    else:  # the vLLM venv runs the real thing in tests/integrations/test_vllm.py
+        pytest.skip("vLLM is installed: covered by tests/integrations/test_vllm.py")
+
+
 def test_state_dict_resumes_the_same_next_batch(policy: torch.nn.Module) -> None:
     dm = make(policy, [length_reward])
     it = iter(dm.train_dataloader())
