@@ -25,23 +25,46 @@ _EXPORTS: dict[str, str] = {
     "Drafter": "lightning_tlt.drafters.base",
     "EagleDrafter": "lightning_tlt.drafters.eagle",
     "SuffixDrafter": "lightning_tlt.drafters.suffix",
+    "DraftProposal": "lightning_tlt.drafters.base",
+    "FeatureReplayBuffer": "lightning_tlt.drafters.buffer",
+    "eagle_loss": "lightning_tlt.drafters.loss",
+    "export_drafter": "lightning_tlt.drafters.export",
+    "verify_chain": "lightning_tlt.rollout.verify",
+    "AdaptiveGate": "lightning_tlt.rollout.gate",
+    "DraftLengthTuner": "lightning_tlt.rollout.tuner",
+    "SpeculationMetrics": "lightning_tlt.rollout.spec_metrics",
     # models
     "build_tokenizer": "lightning_tlt.models.tokenizer",
+    "encode_prompt": "lightning_tlt.models.tokenizer",
     "build_model": "lightning_tlt.models.zoo",
+    "count_parameters": "lightning_tlt.models.zoo",
+    "save_model": "lightning_tlt.models.zoo",
+    "load_model": "lightning_tlt.models.zoo",
+    "warm_start": "lightning_tlt.models.warmstart",
+    "evaluate_accuracy": "lightning_tlt.models.warmstart",
+    # tasks
+    "TASKS": "lightning_tlt.data.tasks",
+    "get_task": "lightning_tlt.data.tasks",
     # data
     "RolloutBatch": "lightning_tlt.data.batch",
     "RolloutDataModule": "lightning_tlt.data.datamodule",
     # rl
     "SFTModule": "lightning_tlt.rl.sft",
+    "SFTConfig": "lightning_tlt.rl.sft",
+    "GRPOConfig": "lightning_tlt.rl.config",
+    "PPOConfig": "lightning_tlt.rl.config",
+    "PolicySpec": "lightning_tlt.rl.common",
     "GRPOModule": "lightning_tlt.rl.grpo",
     "PPOModule": "lightning_tlt.rl.ppo",
     # callbacks
     "DrafterCoTrainCallback": "lightning_tlt.callbacks.drafter_cotrain",
+    "DrafterCoTrainConfig": "lightning_tlt.callbacks.drafter_cotrain",
     "RolloutMetricsCallback": "lightning_tlt.callbacks.rollout_metrics",
     "RolloutProgressCallback": "lightning_tlt.callbacks.rollout_progress",
     # integrations (vllm and trl are imported only when these are used)
     "VLLMRolloutEngine": "lightning_tlt.integrations.vllm",
     "make_engine": "lightning_tlt.integrations.vllm",
+    "rollout_func": "lightning_tlt.integrations.trl",
 }
 
 __all__ = sorted(_EXPORTS)
