@@ -71,6 +71,10 @@ class StepRecorder(Callback):
 
     def __init__(self, tail_rows: int) -> None:
         self.tail_rows = tail_rows
+        self._train_end = 0.0
+        self.marker = _TrainEndMarker(self)
+        """Put first in the Trainer's callbacks (this recorder last): it stamps the end of the
+        training step, so the RL-step boundary work of other callbacks (drafter publishing) is timed apart."""
         self.steps: list[dict[str, Any]] = []
         self._last_end: float | None = None
         self._train_start = 0.0
@@ -102,12 +106,14 @@ class StepRecorder(Callback):
     ) -> None:
         _sync()
         now = time.perf_counter()
+        train_end = self._train_end or now
         m = dict(batch.metrics)
         lengths = batch.completion_mask.sum(1).tolist()
         record = {
             "step": len(self.steps),
             "wall_s": now - (self._last_end or now),
-            "train_s": now - self._train_start,
+            "train_s": train_end - self._train_start,
+            "boundary_s": now - train_end,
             "rollout_s": m.get("rollout/time_s", float("nan")),
             "reward_s": m.get("rollout/reward_time_s", float("nan")),
             "tail_s": self._tail_s,
@@ -121,10 +127,22 @@ class StepRecorder(Callback):
             "metrics": {k: v for k, v in m.items() if isinstance(v, (int, float))},
         }
         cotrain = [c for c in trainer.callbacks if type(c).__name__ == "DrafterCoTrainCallback"]  # type: ignore[attr-defined]
-        record["drafter_s"] = float(getattr(cotrain[0], "last_step_drafter_s", 0.0)) if cotrain else 0.0
+        # drafter time: its training in the stalls (inside the rollout) plus its work at the boundary
+        record["drafter_stall_s"] = float(getattr(cotrain[0], "last_step_drafter_s", 0.0)) if cotrain else 0.0
+        record["drafter_s"] = record["drafter_stall_s"] + (record["boundary_s"] if cotrain else 0.0)
+        record["eagle_drafting"] = float(trainer.callback_metrics.get("drafter/eagle_drafting", float("nan")))
         self.steps.append(record)
         self._tail_s = self._bulk_s = 0.0
         self._last_end = now
+
+
+class _TrainEndMarker(Callback):
+    def __init__(self, recorder: StepRecorder) -> None:
+        self.recorder = recorder
+
+    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        _sync()
+        self.recorder._train_end = time.perf_counter()
 
 
 def load_policy(policy_dir: Path, device: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -149,11 +167,8 @@ def run_lightning(name: str, args: argparse.Namespace, seed: int, policy_dir: Pa
         beta=0.0,
     )
     module = GRPOModule(policy, config)
-    speculative = (
-        SpeculativeConfig(method="eagle" if args.drafter == "eagle" else "suffix", threshold=args.threshold)
-        if name == "tlt"
-        else None
-    )
+    # TLT's cold start: the suffix drafter speculates until the co-trained EAGLE drafter beats it
+    speculative = SpeculativeConfig(method="suffix", threshold=args.threshold) if name == "tlt" else None
     data = RolloutDataModule(
         args.task,
         prompts_per_step=args.prompts,
@@ -165,11 +180,12 @@ def run_lightning(name: str, args: argparse.Namespace, seed: int, policy_dir: Pa
         max_batch_size=args.prompts * args.generations,
     )
     recorder = StepRecorder(tail_rows=args.threshold)
-    callbacks: list[Callback] = [recorder]
+    callbacks: list[Callback] = [recorder.marker]
     if name == "tlt" and args.drafter == "eagle":
         from lightning_tlt.callbacks.drafter_cotrain import DrafterCoTrainCallback
 
-        callbacks.append(DrafterCoTrainCallback(stall_threshold=args.threshold))
+        callbacks.append(DrafterCoTrainCallback(stall_threshold=args.threshold, learning_rate=args.drafter_lr))
+    callbacks.append(recorder)
     trainer = pl.Trainer(
         max_steps=args.steps,
         accelerator="gpu" if device == "cuda" else "cpu",
@@ -358,7 +374,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new", type=int, default=1024)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--threshold", type=int, default=32, help="speculation gate / stall threshold (active rows)")
-    p.add_argument("--drafter", choices=("eagle", "suffix"), default="eagle")
+    p.add_argument("--drafter", choices=("eagle", "suffix"), default="eagle",
+                   help="eagle: suffix first, then the co-trained EAGLE drafter; suffix: suffix only")
+    p.add_argument("--drafter-lr", type=float, default=1e-3)
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--configs", default="tlt,nospec,trl")
     p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "lightning_tlt"))
