@@ -281,6 +281,7 @@ def summarize(run: dict[str, Any], skip: int) -> dict[str, Any]:
         "rollout_s": rollout,
         "reward_s": mean("reward_s"),
         "train_s": mean("train_s"),
+        "boundary_s": mean("boundary_s"),
         "drafter_s": mean("drafter_s"),
         "tokens_per_s": statistics.fmean(s["tokens"] for s in steps) / rollout if rollout > 0 else float("nan"),
         "tail_share": mean("tail_s") / max(1e-9, mean("tail_s") + mean("bulk_s")),
@@ -313,20 +314,21 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[str]:
     fig.savefig(out_dir / "e2e_reward.png", dpi=120)
     written.append("e2e_reward.png")
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 3.5), gridspec_kw={"width_ratios": [2, 1.4]})
     names = [n for n in ("tlt", "nospec") if n in results["summary"]]
-    parts = ("rollout_s", "reward_s", "train_s")
+    parts = ("rollout_s", "reward_s", "train_s", "boundary_s")
     bottom = [0.0] * len(names)
     for part in parts:
-        vals = [results["summary"][n][part] for n in names]
+        vals = [results["summary"][n].get(part, 0.0) for n in names]
         ax.bar(names, vals, bottom=bottom, label=part.removesuffix("_s"))
         bottom = [b + v for b, v in zip(bottom, vals)]
-    if "trl" in results["summary"]:
-        ax.bar(["trl"], [results["summary"]["trl"]["step_s"]], label="trl step (total)")
     ax.set_ylabel("seconds per RL step")
-    ax.set_yscale("log" if "trl" in results["summary"] else "linear")
-    ax.set_title("Step time split")
-    ax.legend()
+    ax.set_title("Step time split (kit)")
+    ax.legend(fontsize=8)
+    totals = {n: results["summary"][n]["step_s"] for n in ("tlt", "nospec", "trl") if n in results["summary"]}
+    bars = ax2.bar(list(totals), list(totals.values()), color=["C0", "C1", "C3"][: len(totals)])
+    ax2.bar_label(bars, fmt="%.2f s")
+    ax2.set_title("Whole RL step")
     fig.tight_layout()
     fig.savefig(out_dir / "e2e_step_time.png", dpi=120)
     written.append("e2e_step_time.png")
@@ -381,7 +383,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--configs", default="tlt,nospec,trl")
     p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "lightning_tlt"))
     p.add_argument("--out", default=None)
-    p.add_argument("--plots", default=str(ROOT / "docs"))
+    p.add_argument("--plots", default=str(ROOT / "docs" / "img"))
     p.add_argument("--smoke", action="store_true", help="tiny sizes: a CPU check of the script in a minute or two")
     args = p.parse_args(argv)
     if args.smoke:
