@@ -34,6 +34,17 @@ def normalize_scale_rewards(value: str | bool) -> str:
     return str(value)
 
 
+def validate_adamw(config: Any) -> None:
+    """Check the AdamW fields every config here shares: ``learning_rate``, ``weight_decay``, betas."""
+    if not config.learning_rate > 0:
+        raise ValueError(f"learning_rate must be > 0, got {config.learning_rate!r}")
+    if config.weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {config.weight_decay!r}")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(config, name) < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {getattr(config, name)!r}")
+
+
 @dataclass
 class OptimConfig:
     """Optimizer options shared by the RL modules (``transformers.TrainingArguments``' names and defaults)."""
@@ -56,13 +67,7 @@ class OptimConfig:
     """Linear warm-up steps of the learning rate."""
 
     def _validate_optim(self) -> None:
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        validate_adamw(self)
         if not self.adam_epsilon > 0:
             raise ValueError(f"adam_epsilon must be > 0, got {self.adam_epsilon!r}")
         if self.max_grad_norm < 0:

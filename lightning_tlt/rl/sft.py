@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from lightning_tlt.data.tasks.base import completion_text
 from lightning_tlt.models.tokenizer import encode_prompt
+from lightning_tlt.rl.config import validate_adamw
 
 IGNORE_INDEX = -100
 """Label of positions that do not count in the loss (prompt and padding), as in HF and TRL."""
@@ -48,13 +49,7 @@ class SFTConfig:
     """Final learning rate of the cosine schedule, as a fraction of the peak."""
 
     def __post_init__(self) -> None:
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)!r}")
+        validate_adamw(self)
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio!r}")
         if self.lr_scheduler_type not in ("cosine", "constant"):
