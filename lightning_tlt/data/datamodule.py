@@ -25,12 +25,17 @@ from lightning_tlt.data.batch import RolloutBatch, pad_left, pad_right
 from lightning_tlt.data.rewards import OnRewardError, RewardFunc, compute_rewards, reward_func_name
 from lightning_tlt.rl.advantages import combine_rewards, group_advantages, nanstd
 from lightning_tlt.rl.config import normalize_scale_rewards
-from lightning_tlt.rollout.types import RolloutOutput, SamplingConfig, SpeculativeConfig, StepListener
+from lightning_tlt.rollout.types import (
+    RolloutBackend,
+    RolloutOutput,
+    SamplingConfig,
+    SpeculativeConfig,
+    StepListener,
+)
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
-    from lightning_tlt.rollout.engine import RolloutEngine
 
 
 @dataclass
@@ -166,7 +171,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.tokenizer: Any = None
         self.train_data: Dataset | None = None
         self.eval_data: Dataset | None = None
-        self._engine: RolloutEngine | None = None
+        self._engine: RolloutBackend | None = None
         self._listeners: list[StepListener] = []
         self._policy: torch.nn.Module | None = None
         self._generator: torch.Generator | None = None
@@ -272,7 +277,7 @@ class RolloutDataModule(pl.LightningDataModule):
         return self._policy
 
     @property
-    def engine(self) -> RolloutEngine:
+    def engine(self) -> RolloutBackend:
         """The rollout engine (``engine`` says which), created on first use on the policy's device."""
         if self._engine is None:
             assert self.sampling is not None and self.num_generations is not None

@@ -22,16 +22,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+HFModule = Any
+"""An HF submodule read by attribute name (``q_proj``, ``weight``, ...): duck-typed, as HF's own are."""
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
+def unwrap_model(model: nn.Module) -> Any:
     """Strip wrappers that keep the real model under ``.module`` (DDP, DataParallel, Fabric)."""
     while hasattr(model, "module") and isinstance(model.module, nn.Module):
         model = model.module
@@ -85,16 +88,16 @@ class ModelSpec:
         )
 
 
-def rms_norm(x: Tensor, norm: nn.Module) -> Tensor:
+def rms_norm(x: Tensor, norm: HFModule) -> Tensor:
     """HF's RMSNorm (float32 statistics, weight applied in the input dtype), over ``norm``'s weight."""
-    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+    eps: float = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", None) or 1e-6
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return norm.weight * h.to(dtype)
 
 
-def _linear(x: Tensor, layer: nn.Module) -> Tensor:
+def _linear(x: Tensor, layer: HFModule) -> Tensor:
     return F.linear(x, layer.weight, layer.bias)
 
 
@@ -123,7 +126,7 @@ def attention_mask(positions: Tensor, cache_len: int) -> Tensor:
 
 
 def decoder_layer(
-    layer: nn.Module,
+    layer: HFModule,
     x: Tensor,
     cos: Tensor,
     sin: Tensor,
@@ -211,7 +214,8 @@ class ModelRunner:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = unwrap_model(model)
+        # an HF causal LM, whose submodules (model.layers, lm_head, ...) are reached by name
+        self.model: Any = unwrap_model(model)
         config = self.model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -229,7 +233,7 @@ class ModelRunner:
             )
         self.spec = ModelSpec.from_config(config)
         rotary = self.model.model.rotary_emb
-        self._rotary = rotary
+        self._rotary: Any = rotary
         self.rope_scaling = float(getattr(rotary, "attention_scaling", 1.0))
 
     @property

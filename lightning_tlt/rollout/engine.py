@@ -16,6 +16,7 @@ Models the runner does not know run through their own HF forward with ``past_key
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 import warnings
@@ -185,7 +186,7 @@ class RolloutEngine:
         return self._model
 
     @property
-    def _hf(self) -> nn.Module:
+    def _hf(self) -> Any:  # the unwrapped HF model, whose config and submodules are reached by name
         return unwrap_model(self._model)
 
     @property
@@ -534,13 +535,13 @@ class RolloutEngine:
             dst = [s for p in chunk for s in by_prompt[p]]
             src = [row for row, p in enumerate(chunk) for _ in by_prompt[p]]
             cache.write_prefix(torch.tensor(dst, device=device), scratch.k, scratch.v, torch.tensor(src, device=device))
-        slots = torch.tensor([s for s, _ in admitted], device=device)
+        slot_ids = torch.tensor([s for s, _ in admitted], device=device)
         zero = st.hidden.new_zeros(st.hidden.shape[1])
-        st.hidden[slots] = torch.stack([self._prompt_features.get(r.prompt_index, zero) for _, r in admitted])
-        st.tokens[slots] = torch.tensor([r.prompt[-1] for _, r in admitted], device=device)
-        st.positions[slots] = torch.tensor([len(r.prompt) - 1 for _, r in admitted], device=device)
-        st.num_generated[slots] = 0
-        st.finished[slots] = False
+        st.hidden[slot_ids] = torch.stack([self._prompt_features.get(r.prompt_index, zero) for _, r in admitted])
+        st.tokens[slot_ids] = torch.tensor([r.prompt[-1] for _, r in admitted], device=device)
+        st.positions[slot_ids] = torch.tensor([len(r.prompt) - 1 for _, r in admitted], device=device)
+        st.num_generated[slot_ids] = 0
+        st.finished[slot_ids] = False
 
     def _generate_native(
         self, requests: list[Request], sampling: SamplingConfig, stop_ids: list[int], gen: torch.Generator
@@ -603,7 +604,7 @@ class RolloutEngine:
             if n:
                 batch = graphs.bucket(n)
                 profile = GraphProfile("decode", batch, 1, sampling_key)
-                self._run_step(profile, lambda b=batch: self._decode_step(b, sampling))
+                self._run_step(profile, functools.partial(self._decode_step, batch, sampling))
                 pending.append(self._flags(list(sched.active)))
                 if spec is not None:
                     spec.plain_step()

@@ -123,7 +123,7 @@ class SpecDecoder:
         self._cache_len = cache_len
         # the metrics' states live where the verify results do: no host sync per step
         self.metrics = SpeculationMetrics(max_draft_tokens=16, device=device)
-        long = {"dtype": torch.long, "device": device}
+        long: dict[str, Any] = {"dtype": torch.long, "device": device}
         self.buffers = _SpecBuffers(
             draft_tokens=torch.zeros(num_slots, self.max_k, **long),
             draft_lens=torch.zeros(num_slots, **long),

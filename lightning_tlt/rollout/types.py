@@ -7,9 +7,11 @@ These are the contracts between the parts of the kit: `SamplingConfig` (what to 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
 
 Phase = Literal["prefill", "decode", "speculative", "done"]
 FinishReason = Literal["stop", "length"]
@@ -92,6 +94,26 @@ class StepEvent:
 
 
 StepListener = Callable[[StepEvent], None]
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """What the RL side needs of an engine: `RolloutEngine` (native) and ``VLLMRolloutEngine`` both are one."""
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig | None = None,
+        num_samples: int = 1,
+        generator: torch.Generator | None = None,
+    ) -> RolloutOutput: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def add_listener(self, fn: StepListener) -> None: ...
+
+    def remove_listener(self, fn: StepListener) -> None: ...
 
 
 SpecMethod = Literal["eagle", "suffix", "none"]
