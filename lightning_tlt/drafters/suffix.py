@@ -164,10 +164,6 @@ class SuffixDrafter:
         if self.max_recent:
             entry.finished.append(index)
 
-    def drop_group(self, group: Hashable) -> None:
-        """Forget a group entirely."""
-        self._groups.pop(group, None)
-
     def clear(self) -> None:
         """Forget every group."""
         self._groups.clear()
