@@ -532,7 +532,8 @@ class VLLMRolloutEngine:
         self._ensure_awake()
         if self.auto_sync and self._policy is not None and self._param_versions() != self._synced_versions:
             self.update_policy_weights(self._policy)
-        seeds = torch.randint(0, 2**62, (len(ids),), generator=generator).tolist()
+        source = "cpu" if generator is None else generator.device  # a CUDA generator draws on its device
+        seeds = torch.randint(0, 2**62, (len(ids),), generator=generator, device=source).tolist()
         # greedy samples are all alike (and vLLM refuses n > 1 without sampling): decode once, copy
         n = 1 if sampling.greedy else num_samples
         params = [self.sampling_params(sampling, n, int(s)) for s in seeds]
