@@ -123,8 +123,10 @@ def warm_start(
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if cpu_threads is not None and cpu_threads < 1:
         raise ValueError(f"cpu_threads must be >= 1 or None, got {cpu_threads!r}")
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    directory = root / warm_start_key(settings)
+    directory = warm_start_dir(
+        task, arch, size, difficulty=difficulty, seed=seed, steps=steps, batch_size=batch_size, lr=lr,
+        cache_dir=cache_dir,
+    )
     if (directory / METADATA_FILE).is_file() and (directory / "config.json").is_file():
         log.info("warm_start: loaded from cache %s", directory)
         model, tokenizer = load_model(directory, dtype=torch.float32)
