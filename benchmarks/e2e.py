@@ -151,21 +151,26 @@ def load_policy(policy_dir: Path, device: str, dtype: torch.dtype) -> torch.nn.M
     return AutoModelForCausalLM.from_pretrained(policy_dir, dtype=dtype).to(device)
 
 
+def grpo_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The GRPO options every configuration shares, by TRL's names (one source for a, b and c)."""
+    return {
+        "num_generations": args.generations,
+        "max_completion_length": args.max_new,
+        "temperature": 1.0,
+        "learning_rate": args.lr,
+        "lr_scheduler_type": "constant",
+        "loss_type": "dapo",
+        "beta": 0.0,
+    }
+
+
 def run_lightning(name: str, args: argparse.Namespace, seed: int, policy_dir: Path) -> dict[str, Any]:
     """One GRPO run of ``args.steps`` steps with the kit (configuration a or b)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     pl.seed_everything(seed, workers=False)
     policy = load_policy(policy_dir, device, dtype)
-    config = GRPOConfig(
-        num_generations=args.generations,
-        max_completion_length=args.max_new,
-        temperature=1.0,
-        learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        loss_type="dapo",
-        beta=0.0,
-    )
+    config = GRPOConfig(**grpo_settings(args))
     module = GRPOModule(policy, config)
     # TLT's cold start: the suffix drafter speculates until the co-trained EAGLE drafter beats it
     speculative = SpeculativeConfig(method="suffix", threshold=args.threshold) if name == "tlt" else None
@@ -234,14 +239,8 @@ def run_trl(args: argparse.Namespace, seed: int, policy_dir: Path) -> dict[str, 
     out_dir = ROOT / ".cache" / "e2e_trl"
     cfg = TRLGRPOConfig(
         output_dir=str(out_dir),
-        num_generations=args.generations,
         per_device_train_batch_size=args.prompts * args.generations,
-        max_completion_length=args.max_new,
-        temperature=1.0,
-        learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        loss_type="dapo",
-        beta=0.0,
+        **grpo_settings(args),
         max_steps=args.trl_steps,
         logging_steps=1,
         report_to="none",
