@@ -32,10 +32,10 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_tlt.callbacks.drafter_cotrain import DrafterCoTrainCallback, DrafterCoTrainConfig
+from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig
 from lightning_tlt.data.datamodule import RolloutDataModule
 from lightning_tlt.rl.config import GRPOConfig
 from lightning_tlt.rl.grpo import GRPOModule
-from lightning_tlt.rollout.types import SamplingConfig, SpeculativeConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ("cotrain", "frozen", "nospec_cotrain", "nospec")

@@ -28,9 +28,9 @@ import torch
 import transformers
 from transformers import GenerationConfig
 
+from lightning_tlt.core.types import SamplingConfig
 from lightning_tlt.models.zoo import build_model
 from lightning_tlt.rollout.engine import RolloutEngine
-from lightning_tlt.rollout.types import SamplingConfig
 
 
 def _sync(device: torch.device) -> None:
@@ -111,8 +111,8 @@ def sanity(model: Any, engine: RolloutEngine, vocab: int, device: torch.device) 
     with torch.no_grad():  # the engine's logits against HF's forward on the same tokens
         full = torch.tensor([p + g for p, g in zip(prompts, greedy.completion_ids)], device=device)
         hf_logits = model(full).logits[:, 15:-1].float()
-        from lightning_tlt.models.runner import ModelRunner
-        from lightning_tlt.rollout.kv_cache import KVCache
+        from lightning_tlt.core.kv_cache import KVCache
+        from lightning_tlt.core.runner import ModelRunner
 
         runner = ModelRunner(model)
         s = runner.spec

@@ -34,12 +34,12 @@ from lightning_tlt.callbacks.drafter_cotrain import (
     DrafterCoTrainConfig,
     publish_drafter,
 )
+from lightning_tlt.core.types import RolloutOutput, SamplingConfig, SpeculativeConfig, StepEvent
 from lightning_tlt.data.tasks import get_task
 from lightning_tlt.drafters.suffix import SuffixDrafter
 from lightning_tlt.models.tokenizer import encode_prompt
 from lightning_tlt.models.warmstart import warm_start
 from lightning_tlt.rollout.engine import RolloutEngine
-from lightning_tlt.rollout.types import RolloutOutput, SamplingConfig, SpeculativeConfig, StepEvent
 
 ROOT = Path(__file__).resolve().parent.parent
 BINS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 32), (33, 1 << 30))

@@ -15,10 +15,10 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     # rollout
-    "SamplingConfig": "lightning_tlt.rollout.types",
-    "SpeculativeConfig": "lightning_tlt.rollout.types",
-    "RolloutOutput": "lightning_tlt.rollout.types",
-    "StepEvent": "lightning_tlt.rollout.types",
+    "SamplingConfig": "lightning_tlt.core.types",
+    "SpeculativeConfig": "lightning_tlt.core.types",
+    "RolloutOutput": "lightning_tlt.core.types",
+    "StepEvent": "lightning_tlt.core.types",
     "RolloutEngine": "lightning_tlt.rollout.engine",
     "CUDAGraphProfileCache": "lightning_tlt.rollout.cuda_graphs",
     # drafters

@@ -50,11 +50,11 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_tlt.core.runner import unwrap_model
+from lightning_tlt.core.types import StepEvent
 from lightning_tlt.drafters.buffer import FeatureReplayBuffer
 from lightning_tlt.drafters.eagle import EagleBatch, EagleDrafter
 from lightning_tlt.drafters.loss import eagle_loss, expected_acceptance_length
-from lightning_tlt.models.runner import unwrap_model
-from lightning_tlt.rollout.types import StepEvent
 
 
 @dataclass

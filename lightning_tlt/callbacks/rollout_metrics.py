@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_tlt.rollout.types import StepEvent
+from lightning_tlt.core.types import StepEvent
 
 
 class RolloutMetricsCallback(Callback):

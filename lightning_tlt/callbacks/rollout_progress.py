@@ -14,7 +14,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
 from typing_extensions import override
 
-from lightning_tlt.rollout.types import StepEvent
+from lightning_tlt.core.types import StepEvent
 
 
 class RolloutProgressCallback(Callback):

@@ -21,17 +21,17 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
-from lightning_tlt.data.batch import RolloutBatch, pad_left, pad_right
-from lightning_tlt.data.rewards import OnRewardError, RewardFunc, compute_rewards, reward_func_name
-from lightning_tlt.rl.advantages import combine_rewards, group_advantages, nanstd
-from lightning_tlt.rl.config import normalize_scale_rewards
-from lightning_tlt.rollout.types import (
+from lightning_tlt.core.types import (
     RolloutBackend,
     RolloutOutput,
     SamplingConfig,
     SpeculativeConfig,
     StepListener,
 )
+from lightning_tlt.data.batch import RolloutBatch, pad_left, pad_right
+from lightning_tlt.data.rewards import OnRewardError, RewardFunc, compute_rewards, reward_func_name
+from lightning_tlt.rl.advantages import combine_rewards, group_advantages, nanstd
+from lightning_tlt.rl.config import normalize_scale_rewards
 
 if TYPE_CHECKING:
     from datasets import Dataset

@@ -29,7 +29,7 @@ class Drafter(Protocol):
     """A source of drafted tokens for speculative rollouts.
 
     Attributes:
-        name: the `lightning_tlt.rollout.types.SpeculativeConfig.method` it serves ("eagle", "suffix").
+        name: the `lightning_tlt.core.types.SpeculativeConfig.method` it serves ("eagle", "suffix").
         needs_features: whether it reads the policy's hidden states (then the engine must keep the
             policy's last hidden state of each row's newest token).
     """

@@ -26,7 +26,7 @@ The layer follows HF Llama names, which are vLLM's EAGLE-1 draft names: ``fc``, 
 self_attn.{q,k,v,o}_proj`` (with biases when the target has q/k/v biases, as Qwen2: Llama's
 ``attention_bias`` then also adds one to ``o_proj``), no ``input_layernorm`` (identity, vLLM's
 choice for layer 0), ``post_attention_layernorm``, ``mlp.{gate,up,down}_proj``, and no final norm.
-`lightning_tlt.models.runner.decoder_layer` runs ``layers[0]`` against a KV cache for the
+`lightning_tlt.core.runner.decoder_layer` runs ``layers[0]`` against a KV cache for the
 engine's cached draft steps; `EagleDrafter.forward` is the cache-free full-sequence reference.
 
 EAGLE-3 option (Li et al. 2025, "EAGLE-3"): with ``feature_layers=(low, mid, high)`` the features
@@ -49,8 +49,8 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import LlamaConfig
 
-from lightning_tlt.models.runner import rms_norm, rope_cos_sin, unwrap_model
-from lightning_tlt.rollout.sampling import processed_probs, sample
+from lightning_tlt.core.runner import rms_norm, rope_cos_sin, unwrap_model
+from lightning_tlt.core.sampling import processed_probs, sample
 
 SAFETENSORS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -377,7 +377,7 @@ class EagleDrafter(nn.Module):
 
     @property
     def layer(self) -> EagleDecoderLayer:
-        """The decoder layer, ``layers[0]`` (what `lightning_tlt.models.runner.decoder_layer` runs)."""
+        """The decoder layer, ``layers[0]`` (what `lightning_tlt.core.runner.decoder_layer` runs)."""
         return cast(EagleDecoderLayer, self.layers[0])
 
     # ------------------------------------------------------------------ forward

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig
 from lightning_tlt.data.datamodule import engine_metrics
-from lightning_tlt.rollout.types import SamplingConfig, SpeculativeConfig
 
 RolloutFunc = Callable[[list[Any], Any], dict[str, Any]]
 

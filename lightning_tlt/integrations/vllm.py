@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_tlt.rollout.types import (
+from lightning_tlt.core.types import (
     FinishReason,
     RolloutOutput,
     SamplingConfig,
@@ -228,7 +228,7 @@ def policy_logprobs(
     position before each completion token go through `processed_probs` with ``sampling``'s
     temperature, top-k and top-p, as the native engine samples.
     """
-    from lightning_tlt.rollout.sampling import processed_probs, token_logprobs
+    from lightning_tlt.core.sampling import processed_probs, token_logprobs
 
     model = _unwrap(model)
     device = next(model.parameters()).device

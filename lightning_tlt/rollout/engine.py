@@ -1,13 +1,13 @@
 """`RolloutEngine`: continuous-batching generation over the policy's own parameters.
 
 The engine samples rollouts from the model that Lightning is training, in the same process: the
-functional runner (`lightning_tlt.models.runner`) reads the policy's parameters at every call, so
+functional runner (`lightning_tlt.core.runner`) reads the policy's parameters at every call, so
 there is no copy and no weight sync, and the next ``generate`` after an optimizer step uses the
 new weights. Each prompt is prefilled once and its KV prefix copied into its ``num_samples``
 slots; finished rows free their slot at once and queued requests take it (continuous batching);
 a decode step over ``n`` active rows is padded to a batch bucket and replayed from a captured
 CUDA graph (`CUDAGraphProfileCache`), compiled with ``torch.compile(fullgraph=True)`` on CUDA.
-Sampling is the exponential race of `lightning_tlt.rollout.sampling` (no host sync); the only
+Sampling is the exponential race of `lightning_tlt.core.sampling` (no host sync); the only
 device-to-host copy per step is the small "finished" vector that the scheduler needs.
 
 Models the runner does not know run through their own HF forward with ``past_key_values``
@@ -28,13 +28,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_tlt.models.runner import ModelRunner, is_supported, unwrap_model
-from lightning_tlt.rollout.cuda_graphs import CUDAGraphBackend, CUDAGraphProfileCache, GraphProfile
-from lightning_tlt.rollout.kv_cache import KVCache, kv_bytes_per_slot
-from lightning_tlt.rollout.sampling import processed_probs, sample, token_logprobs
-from lightning_tlt.rollout.scheduler import Request, SlotScheduler
-from lightning_tlt.rollout.spec_decode import SpecDecoder, default_drafter
-from lightning_tlt.rollout.types import (
+from lightning_tlt.core.kv_cache import KVCache, kv_bytes_per_slot
+from lightning_tlt.core.runner import ModelRunner, is_supported, unwrap_model
+from lightning_tlt.core.sampling import processed_probs, sample, token_logprobs
+from lightning_tlt.core.types import (
     FinishReason,
     RolloutOutput,
     SamplingConfig,
@@ -42,6 +39,9 @@ from lightning_tlt.rollout.types import (
     StepEvent,
     StepListener,
 )
+from lightning_tlt.rollout.cuda_graphs import CUDAGraphBackend, CUDAGraphProfileCache, GraphProfile
+from lightning_tlt.rollout.scheduler import Request, SlotScheduler
+from lightning_tlt.rollout.spec_decode import SpecDecoder, default_drafter
 
 CPU_DEFAULT_SLOTS = 16
 """Slots on the CPU when neither ``max_batch_size`` nor a memory budget is given."""

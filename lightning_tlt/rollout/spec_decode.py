@@ -35,18 +35,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from lightning_tlt.core.kv_cache import KVCache
+from lightning_tlt.core.runner import decoder_layer, rope_cos_sin
+from lightning_tlt.core.sampling import processed_probs, sample
+from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig
 from lightning_tlt.drafters.base import DraftProposal
 from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.drafters.suffix import SuffixDrafter
-from lightning_tlt.models.runner import decoder_layer, rope_cos_sin
 from lightning_tlt.rollout.cuda_graphs import GraphProfile
 from lightning_tlt.rollout.gate import AdaptiveGate
-from lightning_tlt.rollout.kv_cache import KVCache
-from lightning_tlt.rollout.sampling import processed_probs, sample
 from lightning_tlt.rollout.scheduler import Request
 from lightning_tlt.rollout.spec_metrics import SpeculationMetrics
 from lightning_tlt.rollout.tuner import DraftLengthTuner
-from lightning_tlt.rollout.types import SamplingConfig, SpeculativeConfig
 from lightning_tlt.rollout.verify import verify_chain
 
 if TYPE_CHECKING:

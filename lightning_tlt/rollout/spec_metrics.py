@@ -2,7 +2,7 @@
 
 The engine updates these with device tensors inside the decode loop (no host sync: updates are
 tensor additions) and reads them with `SpeculationMetrics.stats` when the call ends, to fill
-`lightning_tlt.rollout.types.RolloutOutput.stats`. Being torchmetrics states, they also reduce
+`lightning_tlt.core.types.RolloutOutput.stats`. Being torchmetrics states, they also reduce
 across ranks (``sum``) when computed under DDP.
 
 Definitions (EAGLE, Li et al. 2024, "acceptance length" tau and "n-alpha"):
@@ -25,7 +25,7 @@ from torch import Tensor
 from torchmetrics import Metric
 
 PHASES: tuple[str, ...] = ("prefill", "decode", "speculative")
-"""Phases `TokensPerSecond` keeps (`lightning_tlt.rollout.types.Phase` without "done")."""
+"""Phases `TokensPerSecond` keeps (`lightning_tlt.core.types.Phase` without "done")."""
 
 
 class AcceptanceLength(Metric):

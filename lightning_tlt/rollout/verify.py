@@ -14,7 +14,7 @@ and on rejection samples from the residual
 Then ``P(emit x) = q(x) a(x) + (1 - sum_y q(y) a(y)) r(x) = min(p, q) + (p - q)+ = p(x)``: the
 emitted token is distributed exactly as ``p``, at any temperature, top-k and top-p, as long as
 ``p`` and ``q`` are the distributions after the same processing
-(`lightning_tlt.rollout.sampling.processed_probs`). A chain of k drafts is verified left to right:
+(`lightning_tlt.core.sampling.processed_probs`). A chain of k drafts is verified left to right:
 the first rejection emits a residual sample and discards the rest; if all k are accepted, one
 bonus token is sampled from the target's distribution at position k. Every row therefore emits
 between 1 and k + 1 tokens per verify forward.
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_tlt.rollout.sampling import sample
+from lightning_tlt.core.sampling import sample
 
 
 @dataclass

@@ -21,6 +21,8 @@ from lightning_tlt.callbacks.drafter_cotrain import (
     DrafterCoTrainConfig,
     publish_drafter,
 )
+from lightning_tlt.core.sampling import processed_probs
+from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig, StepEvent
 from lightning_tlt.data.datamodule import RolloutDataModule
 from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.drafters.export import export_drafter
@@ -29,8 +31,6 @@ from lightning_tlt.models.zoo import build_model
 from lightning_tlt.rl.config import GRPOConfig
 from lightning_tlt.rl.grpo import GRPOModule
 from lightning_tlt.rollout.engine import RolloutEngine
-from lightning_tlt.rollout.sampling import processed_probs
-from lightning_tlt.rollout.types import SamplingConfig, SpeculativeConfig, StepEvent
 from lightning_tlt.rollout.verify import verify_chain
 
 ALPHA = 1e-3

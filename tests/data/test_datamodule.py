@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
+from lightning_tlt.core.types import SamplingConfig
 from lightning_tlt.data.datamodule import RolloutDataModule
 from lightning_tlt.data.rewards import RewardFunctionError
 from lightning_tlt.models.zoo import build_model
-from lightning_tlt.rollout.types import SamplingConfig
 
 ROWS = [{"prompt": f"Q{i}: 1+{i}=\n", "answer": str(1 + i), "level": i % 3} for i in range(6)]
 
@@ -184,7 +184,7 @@ def test_engine_metrics_names() -> None:
 
 
 def test_suffix_speculation_reports_acceptance(policy: torch.nn.Module) -> None:
-    from lightning_tlt.rollout.types import SpeculativeConfig
+    from lightning_tlt.core.types import SpeculativeConfig
 
     dm = make(policy, [length_reward], speculative=SpeculativeConfig(method="suffix", threshold=8),
               sampling=SamplingConfig(max_new_tokens=24))

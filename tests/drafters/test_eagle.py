@@ -11,11 +11,11 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+from lightning_tlt.core.runner import decoder_layer, rope_cos_sin
+from lightning_tlt.core.sampling import processed_probs
 from lightning_tlt.drafters.base import Drafter
 from lightning_tlt.drafters.eagle import EagleDrafter, align_for_eagle, default_eagle3_layers
-from lightning_tlt.models.runner import decoder_layer, rope_cos_sin
 from lightning_tlt.models.zoo import build_model
-from lightning_tlt.rollout.sampling import processed_probs
 from lightning_tlt.rollout.verify import verify_chain
 
 VLLM_EAGLE1_TENSORS = {

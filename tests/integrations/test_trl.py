@@ -9,10 +9,10 @@ import pytest
 import torch
 from datasets import Dataset
 
+from lightning_tlt.core.types import SamplingConfig
 from lightning_tlt.integrations.trl import group_repeats, rollout_func
 from lightning_tlt.models.zoo import build_model
 from lightning_tlt.rollout.engine import RolloutEngine
-from lightning_tlt.rollout.types import SamplingConfig
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 

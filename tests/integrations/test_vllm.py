@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
+from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig
 from lightning_tlt.integrations.vllm import (
     INSTALL_HINT,
     decode_weights,
@@ -34,7 +35,6 @@ from lightning_tlt.integrations.vllm import (
 )
 from lightning_tlt.models.tokenizer import build_tokenizer
 from lightning_tlt.models.zoo import build_model
-from lightning_tlt.rollout.types import SamplingConfig, SpeculativeConfig
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

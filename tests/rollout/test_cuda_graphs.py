@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from lightning_tlt.core.types import SamplingConfig
 from lightning_tlt.models.zoo import build_model
 from lightning_tlt.rollout.cuda_graphs import DEFAULT_BUCKETS, CUDAGraphProfileCache, GraphProfile
 from lightning_tlt.rollout.engine import RolloutEngine
-from lightning_tlt.rollout.types import SamplingConfig
 
 
 @dataclass

@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
-from lightning_tlt.models.runner import ModelRunner
+from lightning_tlt.core.kv_cache import KVCache
+from lightning_tlt.core.runner import ModelRunner
+from lightning_tlt.core.sampling import processed_probs, token_logprobs
+from lightning_tlt.core.types import SamplingConfig, StepEvent
 from lightning_tlt.models.zoo import build_model
 from lightning_tlt.rollout.engine import RolloutEngine
-from lightning_tlt.rollout.kv_cache import KVCache
-from lightning_tlt.rollout.sampling import processed_probs, token_logprobs
-from lightning_tlt.rollout.types import SamplingConfig, StepEvent
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19], [3], [20, 21, 22]]
 
@@ -274,7 +274,7 @@ def test_compiled_step_matches_eager(tiny_qwen3: PreTrainedModel) -> None:
     plain decode and the speculative verify (k + 1 tokens a row) give the eager engine's tokens."""
     import warnings
 
-    from lightning_tlt.rollout.types import SpeculativeConfig
+    from lightning_tlt.core.types import SpeculativeConfig
 
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]]
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=10, stop_token_ids=[])

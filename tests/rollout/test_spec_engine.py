@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config
 
+from lightning_tlt.core.sampling import processed_probs, sample, token_logprobs
+from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig, StepEvent
 from lightning_tlt.drafters.base import DraftProposal
 from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.models.zoo import build_model
 from lightning_tlt.rollout.engine import RolloutEngine
-from lightning_tlt.rollout.sampling import processed_probs, sample, token_logprobs
-from lightning_tlt.rollout.types import SamplingConfig, SpeculativeConfig, StepEvent
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16], [3], [20, 21, 22]]
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_tlt.rollout.sampling import processed_probs
+from lightning_tlt.core.sampling import processed_probs
 from lightning_tlt.rollout.verify import acceptance_probs, residual_probs, verify_chain
 
 ALPHA = 1e-3  # significance of every chi-square test below (fixed seeds: deterministic outcomes)
