@@ -163,15 +163,15 @@ class DrafterCoTrainConfig:
                 )
 
 
-def publish_drafter(engine: Any, drafter: EagleDrafter, version: int) -> EagleDrafter:
-    """Publish ``drafter``'s weights to ``engine.drafter`` (its frozen inference copy) as ``version``.
+def publish_drafter(engine: Any, drafter: EagleDrafter, version: int) -> EagleDrafter | None:
+    """Publish ``drafter``'s weights to ``engine`` as ``version``; returns the engine's drafter.
 
-    An existing inference drafter of the same layout is updated in place (same tensors, so CUDA
-    graphs captured on them stay valid); otherwise the engine gets a new `EagleDrafter.inference_copy`.
-
-    Returns:
-        The engine's inference drafter.
+    Engines with ``set_drafter`` (`lightning_tlt.rollout.engine.RolloutEngine`) refuse non-finite
+    weights and copy in place where they can; others get ``drafter``/``drafter_version`` set.
     """
+    if hasattr(engine, "set_drafter"):
+        engine.set_drafter(drafter, version)
+        return cast(EagleDrafter | None, engine.drafter)
     current = getattr(engine, "drafter", None)
     if isinstance(current, EagleDrafter) and current is not drafter and _same_layout(current, drafter):
         with torch.no_grad():

@@ -235,6 +235,14 @@ class CUDAGraphProfileCache:
             self.stats.bytes -= graph.nbytes
             self.stats.evictions += 1
 
+    def drop(self, which: Callable[[GraphProfile], bool]) -> int:
+        """Free the graphs whose profile ``which`` selects (e.g. those of a replaced drafter); returns how many."""
+        doomed = [p for p in self._graphs if which(p)]
+        for profile in doomed:
+            self.stats.bytes -= self._graphs.pop(profile).nbytes
+        self._failed = {p for p in self._failed if not which(p)}
+        return len(doomed)
+
     def clear(self) -> None:
         """Drop every graph (e.g. after the policy's parameters were replaced by new tensors)."""
         self._graphs.clear()

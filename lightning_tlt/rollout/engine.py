@@ -39,6 +39,7 @@ from lightning_tlt.core.types import (
     StepEvent,
     StepListener,
 )
+from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.rollout.cuda_graphs import CUDAGraphBackend, CUDAGraphProfileCache, GraphProfile
 from lightning_tlt.rollout.scheduler import Request, SlotScheduler
 from lightning_tlt.rollout.spec_decode import SpecDecoder, default_drafter
@@ -155,11 +156,10 @@ class RolloutEngine:
         self._max_batch_size = max_batch_size
         self._listeners: list[StepListener] = []
         self._runner = ModelRunner(model) if is_supported(model) else None
-        self.drafter: Any = default_drafter(self.speculative, model) if self.speculative.enabled else None
-        """What speculation drafts with (`SuffixDrafter`, a frozen `EagleDrafter`, ...); replaceable,
-        e.g. by `lightning_tlt.callbacks.drafter_cotrain.publish_drafter`."""
+        self._drafter: Any = default_drafter(self.speculative, model) if self.speculative.enabled else None
+        self._drafter_handle = 0  # bumped whenever the drafter object is replaced (graph keys)
         self.drafter_version = 0
-        """Version of the published drafter weights (set by whoever publishes them)."""
+        """Version of the published drafter weights (`set_drafter` advances it)."""
         self._spec = SpecDecoder(self, self.speculative) if self.speculative.enabled and self._runner else None
         if self.speculative.enabled and self._runner is None:
             warnings.warn(
@@ -178,6 +178,7 @@ class RolloutEngine:
         self._pinned: list[Tensor] = []
         self._pinned_next = 0
         self.last_stats: dict[str, float] = {}
+        self._pending_adaptive: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ read-only properties
     @property
@@ -242,6 +243,92 @@ class RolloutEngine:
     def graph_stats(self) -> dict[str, float]:
         """The graph cache's counters (empty before the first native ``generate``)."""
         return self._graphs.stats.as_dict() if self._graphs is not None else {}
+
+    # ------------------------------------------------------------------ the drafter
+    @property
+    def drafter(self) -> Any:
+        """What speculation drafts with (`SuffixDrafter`, a frozen `EagleDrafter`, ...), or ``None``.
+
+        Assigning replaces it (the graphs captured for the old one are dropped); `set_drafter`
+        publishes new weights, in place where it can.
+        """
+        return self._drafter
+
+    @drafter.setter
+    def drafter(self, drafter: Any) -> None:
+        if drafter is self._drafter:
+            return
+        self._drafter = drafter
+        self._drafter_handle += 1
+        if self._graphs is not None:
+            self._graphs.drop(lambda profile: profile.phase == "draft")
+
+    def set_drafter(self, drafter: Any, version: int | None = None) -> bool:
+        """Publish ``drafter`` to the engine; returns whether it was taken.
+
+        An `EagleDrafter` whose weights are not all finite is refused with a warning (the engine
+        keeps drafting with what it has: a diverged co-trained drafter never reaches a rollout).
+        When the engine already drafts with an `EagleDrafter` of the same layout, the weights are
+        copied into it in place (captured graphs stay valid); otherwise the engine takes a frozen
+        `EagleDrafter.inference_copy` (or ``drafter`` itself when it is frozen already, or not an
+        EAGLE drafter).
+
+        Args:
+            drafter: the drafter (a training `EagleDrafter` is copied, never held).
+            version: the version to record; ``None`` advances `drafter_version` by one.
+        """
+        if isinstance(drafter, EagleDrafter):
+            bad = [name for name, t in drafter.state_dict().items() if not bool(torch.isfinite(t).all())]
+            if bad:
+                warnings.warn(
+                    f"refusing to publish a drafter with non-finite weights ({', '.join(bad[:3])}"
+                    f"{', ...' if len(bad) > 3 else ''}); the engine keeps drafter version {self.drafter_version}",
+                    stacklevel=2,
+                )
+                return False
+            current = self._drafter
+            if isinstance(current, EagleDrafter) and current is not drafter and _same_layout(current, drafter):
+                with torch.no_grad():
+                    source = drafter.state_dict()
+                    for name, tensor in current.state_dict().items():
+                        tensor.copy_(source[name])
+            elif any(p.requires_grad for p in drafter.parameters()):
+                self.drafter = drafter.inference_copy()
+            else:
+                self.drafter = drafter
+        else:
+            self.drafter = drafter
+        self.drafter_version = self.drafter_version + 1 if version is None else int(version)
+        return True
+
+    # ------------------------------------------------------------------ adaptive state
+    def adaptive_state_dict(self) -> dict[str, Any]:
+        """What the engine has learned about speculating (the gate's and the tuner's state), for checkpoints."""
+        spec = self._spec
+        if spec is None:
+            return {}
+        return {
+            "gate": None if spec.gate is None else spec.gate.state_dict(),
+            "tuner": None if spec.tuner is None else spec.tuner.state_dict(),
+        }
+
+    def load_adaptive_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what `adaptive_state_dict` returned (applied once the engine has built its parts)."""
+        self._pending_adaptive = dict(state_dict) if state_dict else None
+        self._apply_adaptive_state()
+
+    def _apply_adaptive_state(self) -> None:
+        state, spec = self._pending_adaptive, self._spec
+        if state is None or spec is None:
+            return
+        if state.get("gate") is not None and spec.gate is not None:
+            spec.gate.load_state_dict(state["gate"])
+            state["gate"] = None
+        if state.get("tuner") is not None and spec.tuner is not None:
+            spec.tuner.load_state_dict(state["tuner"])
+            state["tuner"] = None
+        if state.get("gate") is None and state.get("tuner") is None:
+            self._pending_adaptive = None
 
     # ------------------------------------------------------------------ listeners
     def add_listener(self, fn: StepListener) -> None:
@@ -568,6 +655,7 @@ class RolloutEngine:
         self._prompt_features = {}
         if spec is not None:
             spec.begin()
+            self._apply_adaptive_state()
         start = last = time.perf_counter()
         while True:
             admitted = sched.admit()
@@ -798,3 +886,7 @@ class RolloutEngine:
         self._emit(StepEvent(step, "done", 0, 0, slots, 0.0))
         return self._output(requests, results, stop_ids, sampling, timers, wall, step, tokens_total)
 
+
+def _same_layout(a: EagleDrafter, b: EagleDrafter) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(sa[k].shape == sb[k].shape for k in sa)

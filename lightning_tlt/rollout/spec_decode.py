@@ -221,7 +221,7 @@ class SpecDecoder:
                     f"engine keeps {width}-wide ones: replace engine.drafter between generate calls, not during one"
                 )
             self._ensure_drafter_cache(drafter)
-            profile = GraphProfile("draft", batch, k + 1, (*sampling_key, id(drafter)))
+            profile = GraphProfile("draft", batch, k + 1, (*sampling_key, engine._drafter_handle))
             engine._run_step(profile, lambda: self._draft_eagle(batch, k, sampling, drafter))
             probs: Tensor | None = buf.draft_probs
             host = False
