@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import os
 
+# Triton's CPU interpreter runs the GPU kernels in the tests; it must be chosen before Triton is imported
+if not os.environ.get("CUDA_VISIBLE_DEVICES"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
