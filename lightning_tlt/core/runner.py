@@ -16,6 +16,10 @@ Conventions:
   o}_proj``, optional ``q_norm``/``k_norm``, optional ``input_layernorm``, ``post_attention_
   layernorm``, ``mlp.{gate,up,down}_proj``) against its own cache: an EAGLE drafter is exactly
   one such layer.
+- Attention over the cache is `lightning_tlt.core.attention.cached_attention`: one path for decode
+  (one query row a slot) and verify (``k + 1`` rows, causal inside the block), reading each row's
+  own length (the Triton flash-decoding kernel on CUDA) or a masked SDPA over the first ``kv_len``
+  positions (the CPU path and the fallback).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_tlt.core.attention import ATTENTION_BACKENDS, cached_attention
+
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "HFModule",
@@ -36,8 +42,9 @@ __all__ = [
     "ModelSpec",
     "rms_norm",
     "rope_cos_sin",
-    "attention_mask",
+    "apply_rope",
     "decoder_layer",
+    "eos_token_ids",
     "ForwardOutput",
     "ModelRunner",
 ]
@@ -53,6 +60,17 @@ def unwrap_model(model: nn.Module) -> Any:
     while hasattr(model, "module") and isinstance(model.module, nn.Module):
         model = model.module
     return model
+
+
+def eos_token_ids(model: nn.Module) -> list[int]:
+    """The model's eos id(s): ``generation_config.eos_token_id``, else ``config.eos_token_id`` (the
+    one resolver every engine uses)."""
+    model = unwrap_model(model)
+    for holder in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(holder, "eos_token_id", None)
+        if eos is not None:
+            return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+    return []
 
 
 def is_supported(model: nn.Module) -> bool:
@@ -122,21 +140,12 @@ def rope_cos_sin(positions: Tensor, inv_freq: Tensor, scaling: float, dtype: tor
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x (B, q, n, hd); cos/sin (B, q, hd)
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """HF's rotate-half RoPE: ``x`` ``(B, q, n, hd)``, ``cos``/``sin`` ``(B, q, hd)``."""
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    return x * cos + _rotate_half(x) * sin
-
-
-def attention_mask(positions: Tensor, cache_len: int) -> Tensor:
-    """Boolean ``(B, q, T)`` mask: query at position p sees the keys at positions ``<= p``."""
-    keys = torch.arange(cache_len, device=positions.device)
-    return keys[None, None, :] <= positions[:, :, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 def decoder_layer(
@@ -145,13 +154,16 @@ def decoder_layer(
     cos: Tensor,
     sin: Tensor,
     positions: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    mask: Tensor | None,
+    k_cache: Tensor | None,
+    v_cache: Tensor | None,
     *,
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    prefill: bool = False,
+    attention: str = "auto",
+    kv_len: int | None = None,
+    hole: Tensor | None = None,
 ) -> Tensor:
     """One HF-named pre-norm decoder layer over a slot-indexed KV cache.
 
@@ -161,9 +173,13 @@ def decoder_layer(
         x: ``(B, q, H)`` input hidden states of rows ``0..B-1`` (= cache slots ``0..B-1``).
         cos, sin: ``(B, q, hd)`` RoPE tables of ``positions``.
         positions: ``(B, q)`` absolute positions; the new K/V are written there.
-        k_cache, v_cache: ``(S, T, n_kv, hd)`` with ``S >= B``; written in place.
-        mask: ``(B, q, T)`` boolean attention mask, or ``None`` for a prefill from position 0, which
-            attends causally over the new keys only (``T`` then is ``q``).
+        k_cache, v_cache: ``(S, T, n_kv, hd)`` with ``S >= B``; written in place. ``None`` with
+            ``prefill``: no cache (a training forward, e.g. the EAGLE drafter's).
+        prefill: attend causally over the new keys only (rows starting at position 0, or a
+            training window: right padding never leaks into real rows).
+        attention: the `lightning_tlt.core.attention` backend of the cached path.
+        kv_len: an upper bound on every row's length (the SDPA path reads only that many positions).
+        hole: ``(B, 2)`` ``[lo, hi)`` of cached positions each row does not see (EAGLE history), or ``None``.
 
     Returns:
         ``(B, q, H)`` output hidden states.
@@ -178,28 +194,20 @@ def decoder_layer(
     if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head RMSNorm before RoPE
         q = rms_norm(q, attn.q_norm)
         k = rms_norm(k, attn.k_norm)
-    q = _apply_rope(q, cos, sin)
-    k = _apply_rope(k, cos, sin)
-    rows = torch.arange(bsz, device=x.device)[:, None].expand(bsz, q_len)
-    k_cache.index_put_((rows, positions), k.to(k_cache.dtype))
-    v_cache.index_put_((rows, positions), v.to(v_cache.dtype))
-    group = num_heads // num_kv_heads
-    if mask is None:
-        # prefill from position 0: causal over the new keys; right padding never leaks into real rows
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+    if k_cache is not None and v_cache is not None:
+        rows = torch.arange(bsz, device=x.device)[:, None].expand(bsz, q_len)
+        k_cache.index_put_((rows, positions), k.to(k_cache.dtype))
+        v_cache.index_put_((rows, positions), v.to(v_cache.dtype))
+    if prefill:
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=group > 1
-        )  # (B, nh, q, hd)
-        out = out.transpose(1, 2)
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            enable_gqa=num_heads != num_kv_heads,
+        ).transpose(1, 2)  # (B, q, nh, hd)
     else:
-        keys = k_cache[:bsz].transpose(1, 2)  # (B, n_kv, T, hd)
-        vals = v_cache[:bsz].transpose(1, 2)
-        # GQA as extra query rows: (B, q, n_kv, g, hd) -> (B, n_kv, q*g, hd), so any SDPA kernel with a mask works
-        qg = q.view(bsz, q_len, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
-        qg = qg.reshape(bsz, num_kv_heads, q_len * group, head_dim)
-        m = mask[:, None, :, None, :].expand(bsz, 1, q_len, group, mask.shape[-1])
-        m = m.reshape(bsz, 1, q_len * group, mask.shape[-1])
-        out = F.scaled_dot_product_attention(qg, keys.to(qg.dtype), vals.to(qg.dtype), attn_mask=m)
-        out = out.view(bsz, num_kv_heads, q_len, group, head_dim).permute(0, 2, 1, 3, 4)
+        assert k_cache is not None and v_cache is not None, "decode and verify attend over a cache"
+        out = cached_attention(q, k_cache, v_cache, positions, backend=attention, kv_len=kv_len, hole=hole)
     out = out.reshape(bsz, q_len, num_heads * head_dim)
     x = x + _linear(out, attn.o_proj)
     h = rms_norm(x, layer.post_attention_layernorm)
@@ -225,9 +233,14 @@ class ModelRunner:
     Args:
         model: an HF ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` (possibly
             wrapped by DDP: ``.module`` is unwrapped).
+        attention: the cached-attention backend (`lightning_tlt.core.attention.ATTENTION_BACKENDS`);
+            ``"auto"``: the Triton kernel on CUDA, masked SDPA on the CPU.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, attention: str = "auto") -> None:
+        if attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
+        self.attention = attention
         # an HF causal LM, whose submodules (model.layers, lm_head, ...) are reached by name
         self.model: Any = unwrap_model(model)
         config = self.model.config
@@ -284,6 +297,7 @@ class ModelRunner:
         prefill: bool = False,
         logits: bool = True,
         capture_layers: tuple[int, ...] = (),
+        kv_len: int | None = None,
     ) -> ForwardOutput:
         """Run ``q`` tokens per row through the model, reading and writing the KV cache.
 
@@ -296,6 +310,8 @@ class ModelRunner:
                 over the new keys only, which is cheaper than attending over the whole cache.
             logits: also compute the LM head.
             capture_layers: HF ``hidden_states`` indices to return (EAGLE-3 features).
+            kv_len: an upper bound on every row's length after this call (the SDPA attention
+                path reads only that many cached positions); ``None``: the whole cache.
 
         Returns:
             `ForwardOutput` with ``logits`` ``(B, q, V)``, ``hidden`` ``(B, q, H)``.
@@ -303,14 +319,14 @@ class ModelRunner:
         spec = self.spec
         x = self.embed(tokens)  # (B, q, H)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling, x.dtype)
-        mask = None if prefill else attention_mask(positions, k_cache[0].shape[1])
         layer_hidden: dict[int, Tensor] = {}
         if 0 in capture_layers:
             layer_hidden[0] = x
         for i, layer in enumerate(self.layers):
             x = decoder_layer(
-                layer, x, cos, sin, positions, k_cache[i], v_cache[i], mask,
+                layer, x, cos, sin, positions, k_cache[i], v_cache[i],
                 num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                prefill=prefill, attention=self.attention, kv_len=kv_len,
             )
             if i + 1 in capture_layers and i + 1 < spec.num_layers:
                 layer_hidden[i + 1] = x

@@ -5,6 +5,11 @@ verification compares the two distributions the user asked for (temperature, the
 top-p, as HF ``generate`` and vLLM do). Sampling uses the exponential race (Gumbel-max in another
 guise): ``argmax(p / E)`` with ``E ~ Exp(1)`` draws exactly from ``p``, in one fused pass, without
 a host sync, from an explicit ``torch.Generator``.
+
+Inside a compiled step the noise is drawn *outside* the compiled function (``torch.compile``
+cannot trace an explicit generator) by `exponential_noise`, one kernel captured in the same CUDA
+graph, and the race itself, `sample_with_noise`, fuses with the head's softmax: the head path is
+the LM head, one softmax and one argmax (plus a sort only when ``top_p < 1``).
 """
 
 from __future__ import annotations
@@ -13,8 +18,10 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "exponential_noise",
     "processed_probs",
     "sample",
+    "sample_with_noise",
     "token_logprobs",
 ]
 
@@ -52,10 +59,22 @@ def processed_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: f
     return logits.softmax(-1)
 
 
+def exponential_noise(
+    shape: tuple[int, ...], generator: torch.Generator | None = None, device: torch.device | None = None
+) -> Tensor:
+    """``Exp(1)`` draws of ``shape`` in float32, clamped away from 0 (the race's noise)."""
+    noise = torch.empty(shape, dtype=torch.float32, device=device).exponential_(generator=generator)
+    return noise.clamp_min_(_TINY)
+
+
+def sample_with_noise(probs: Tensor, noise: Tensor) -> Tensor:
+    """The exponential race ``argmax(p / E)`` with given ``Exp(1)`` noise of ``probs``'s shape."""
+    return (probs / noise).argmax(-1)
+
+
 def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """Draw one token per row from ``probs`` (``(..., V)``) by the exponential race; returns ``(...)`` long."""
-    noise = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(_TINY)
-    return (probs / noise).argmax(-1)
+    return sample_with_noise(probs, exponential_noise(tuple(probs.shape), generator, probs.device))
 
 
 def token_logprobs(probs: Tensor, tokens: Tensor) -> Tensor:

@@ -152,6 +152,14 @@ class SpeculativeConfig:
     """Consecutive steps on the other side of ``threshold`` before the gate switches (TLT: 10)."""
     tuner_epsilon: float = 0.1
     """Exploration rate of the epsilon-greedy draft-length tuner; 0 keeps the static table."""
+    plain_arm: bool = True
+    """The tuner's arms include k = 0 (a plain decode step) in every batch bucket, scored on the same
+    measured tokens/s: speculation that does not pay switches itself off."""
+    tuner_min_samples: int = 2
+    """Steps of each arm per batch bucket before the tuner exploits what it measured."""
+    draft_vocab_size: int | None = 32768
+    """Rows of the EAGLE drafter's head: the most frequent tokens of the policy's own rollouts (the
+    first ids before any are counted); ``None``: the whole vocabulary. Verification stays exact."""
     drafter_path: str | None = None
     """Directory of an exported EAGLE drafter (``EagleDrafter.save_pretrained``) to load; ``None``
     starts a cold drafter from the policy (``EagleDrafter.from_target``)."""
@@ -170,6 +178,10 @@ class SpeculativeConfig:
             raise ValueError(f"hysteresis_steps must be >= 1, got {self.hysteresis_steps!r}")
         if not 0.0 <= self.tuner_epsilon <= 1.0:
             raise ValueError(f"tuner_epsilon must be in [0, 1], got {self.tuner_epsilon!r}")
+        if self.tuner_min_samples < 0:
+            raise ValueError(f"tuner_min_samples must be >= 0, got {self.tuner_min_samples!r}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size must be >= 1 or None, got {self.draft_vocab_size!r}")
 
     @property
     def enabled(self) -> bool:

@@ -26,8 +26,9 @@ The layer follows HF Llama names, which are vLLM's EAGLE-1 draft names: ``fc``, 
 self_attn.{q,k,v,o}_proj`` (with biases when the target has q/k/v biases, as Qwen2: Llama's
 ``attention_bias`` then also adds one to ``o_proj``), no ``input_layernorm`` (identity, vLLM's
 choice for layer 0), ``post_attention_layernorm``, ``mlp.{gate,up,down}_proj``, and no final norm.
-`lightning_tlt.core.runner.decoder_layer` runs ``layers[0]`` against a KV cache for the
-engine's cached draft steps; `EagleDrafter.forward` is the cache-free full-sequence reference.
+`EagleDrafter.layer_forward` runs ``layers[0]`` through `lightning_tlt.core.runner.decoder_layer`,
+the policy's own layer function: causal over a training window (`EagleDrafter.forward`), or
+against the drafter's KV cache in the engine's draft steps.
 
 EAGLE-3 option (Li et al. 2025, "EAGLE-3"): with ``feature_layers=(low, mid, high)`` the features
 are the concatenation of those three HF ``hidden_states`` (``3H`` wide), fused by ``fuse: Linear(3H
@@ -49,7 +50,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 from transformers import LlamaConfig
 
-from lightning_tlt.core.runner import rms_norm, rope_cos_sin, unwrap_model
+from lightning_tlt.core.runner import decoder_layer, rms_norm, rope_cos_sin, unwrap_model
 from lightning_tlt.core.sampling import processed_probs, sample
 
 SAFETENSORS_NAME = "model.safetensors"
@@ -405,40 +406,50 @@ class EagleDrafter(nn.Module):
             features: ``(B, T, F)`` ``h_t`` per row (see the alignment convention).
             input_ids: ``(B, T)`` ``x_{t+1}``: the token after each feature's position.
             position_ids: ``(B, T)`` ``t``, the feature's position (RoPE).
-            attention_mask: ``(B, T)`` 1 for real rows, 0 for padding (keys of padding rows are
-                never attended); ``None``: all real.
+            attention_mask: ``(B, T)`` 1 for real rows, 0 for padding; padding must be on the right
+                (as `FeatureReplayBuffer` and `align_for_eagle` produce it), where causal attention
+                keeps it out of every real row (the mask is not applied: no host sync, capturable).
 
         Returns:
             ``(B, T, H)`` predicted next features (no final norm; `logits` maps them to tokens).
         """
         x = self.input_hidden(features, input_ids)  # (B, T, H)
-        layer = self.layer
-        attn = layer.self_attn
-        bsz, seq, _ = x.shape
-        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        q = attn.q_proj(x).view(bsz, seq, nh, hd)
-        k = attn.k_proj(x).view(bsz, seq, nkv, hd)
-        v = attn.v_proj(x).view(bsz, seq, nkv, hd)
-        cos, sin = rope_cos_sin(position_ids, self.inv_freq, self.rope_scaling, x.dtype)  # (B, T, hd)
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, n, T, hd)
-        if nkv != nh:
-            k = k.repeat_interleave(nh // nkv, dim=1)
-            v = v.repeat_interleave(nh // nkv, dim=1)
-        if attention_mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
-            keep = causal[None] & attention_mask.bool()[:, None, :]  # (B, T, T)
-            keep = (
-                keep | torch.eye(seq, dtype=torch.bool, device=x.device)[None]
-            )  # padding rows see themselves
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None])
-        out = out.transpose(1, 2).reshape(bsz, seq, nh * hd)  # (B, T, H)
-        x = x + attn.o_proj(out)
-        h = layer.post_attention_layernorm(x)
-        mlp = layer.mlp
-        return x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        return self.layer_forward(x, position_ids)
+
+    def layer_forward(
+        self,
+        x: Tensor,
+        position_ids: Tensor,
+        k_cache: Tensor | None = None,
+        v_cache: Tensor | None = None,
+        *,
+        prefill: bool = True,
+        attention: str = "auto",
+        hole: Tensor | None = None,
+        rope: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
+        """The decoder layer over layer inputs ``x`` (``(B, T, H)``, from `input_hidden`).
+
+        The one implementation of the drafter's layer: `lightning_tlt.core.runner.decoder_layer`,
+        causal over the rows given (training, and the engine's drafter prefill) or over a KV cache
+        (``prefill=False``: the engine's catch-up and chained draft steps, with the history hole).
+
+        Args:
+            x: ``(B, T, H)`` layer inputs; ``position_ids``: ``(B, T)`` their positions.
+            k_cache, v_cache: the drafter's ``(S, T_max, n_kv, hd)`` cache, written at
+                ``position_ids`` (``None``: no cache).
+            prefill: causal over the given rows only; else attention over the cache.
+            attention: the cached-attention backend.
+            hole: ``(B, 2)`` ``[lo, hi)`` cached positions not seen, or ``None``.
+            rope: precomputed ``(cos, sin)`` of ``position_ids`` (the engine computes a whole
+                draft chain's once), or ``None``.
+        """
+        cos, sin = rope if rope is not None else rope_cos_sin(position_ids, self.inv_freq, self.rope_scaling, x.dtype)
+        return decoder_layer(
+            self.layer, x, cos, sin, position_ids, k_cache, v_cache,
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            prefill=prefill, attention=attention, hole=hole,
+        )  # fmt: skip
 
     def logits(self, features: Tensor) -> Tensor:
         """Next-token logits of predicted features through the policy's LM head: ``(..., H)`` -> ``(..., V)``."""
@@ -522,14 +533,6 @@ def write_eagle_dir(
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(tensors, str(path / SAFETENSORS_NAME), metadata={"format": "pt"})
     return path
-
-
-def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x (B, T, n, hd); cos/sin (B, T, hd): HF's rotate-half convention
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 def drafter_config(target: object) -> LlamaConfig:

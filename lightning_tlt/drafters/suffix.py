@@ -33,6 +33,30 @@ from typing import Any
 _OWN, _SIBLING, _FINISHED, _PROMPT = 3, 2, 1, 0
 
 
+class _Tail(Sequence[int]):
+    """``seq[start:]`` without the copy: a growing row's completion inside its context list, so a
+    step's indexing reads only the new tokens (the per-step host work does not grow with the row)."""
+
+    __slots__ = ("seq", "start")
+
+    def __init__(self, seq: Sequence[int], start: int) -> None:
+        self.seq = seq
+        self.start = start
+
+    def __len__(self) -> int:
+        return len(self.seq) - self.start
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            lo, hi, step = i.indices(len(self))
+            return self.seq[self.start + lo : self.start + hi : step]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.seq[self.start + i]
+
+
 class _SeqIndex:
     """One token sequence and its n-gram -> end positions index (appends are incremental)."""
 
@@ -231,7 +255,7 @@ class SuffixDrafter:
         if prompt_len is not None and entry.prompt is None:
             entry.prompt = _SeqIndex(self.min_match, context[:prompt_len])
         if row_id is not None:
-            self.update_group(group, row_id, context[start:])
+            self.update_group(group, row_id, _Tail(context, start))
         best: tuple[int, ...] | None = None
         result: list[int] = []
         for rid, index in entry.rows.items():

@@ -4,20 +4,28 @@ The engine samples rollouts from the model that Lightning is training, in the sa
 functional runner (`lightning_tlt.core.runner`) reads the policy's parameters at every call, so
 there is no copy and no weight sync, and the next ``generate`` after an optimizer step uses the
 new weights. Each prompt is prefilled once and its KV prefix copied into its ``num_samples``
-slots; finished rows free their slot at once and queued requests take it (continuous batching);
-a decode step over ``n`` active rows is padded to a batch bucket and replayed from a captured
-CUDA graph (`CUDAGraphProfileCache`), compiled with ``torch.compile(fullgraph=True)`` on CUDA.
-Sampling is the exponential race of `lightning_tlt.core.sampling` (no host sync); the only
-device-to-host copy per step is the small "finished" vector that the scheduler needs.
+slots; finished rows free their slot at once and queued requests take it (continuous batching).
 
-Models the runner does not know run through their own HF forward with ``past_key_values``
-(`_generate_hf`): slower, no graphs, same contract.
+A step over ``n`` active rows is padded to a batch bucket and replayed from a captured CUDA graph
+(`CUDAGraphProfileCache`): the policy's forward, compiled once with ``torch.compile``; attention
+that reads each row's own length (`lightning_tlt.core.attention`); the sampling and the state
+update compiled with it (`lightning_tlt.rollout.steps`). The engine loop is the one orchestrator:
+
+- admission and prefill (`SlotScheduler`, `SlotState.reset_rows`);
+- the choice of the step: the gate (`AdaptiveGate`: speculate only in the long tail, the threshold
+  a cap) and the tuner (`DraftLengthTuner`: ``k`` per batch bucket from measured tokens/s, ``k = 0``
+  being plain decoding, so speculation that does not pay is switched off by measurement);
+- the step itself: plain decode, or `SpeculativeStep` (draft, verify, accept);
+- host reads one step late: each step's finish flags (and emitted counts) are copied to pinned
+  memory while the next step runs, then finished rows are harvested and the rest repacked.
+
+Models the runner does not know run through their own HF forward (`hf_fallback.generate_hf`):
+slower, no graphs, same contract.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import time
 import warnings
 from collections import deque
@@ -28,9 +36,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_tlt.core.attention import default_backend
 from lightning_tlt.core.kv_cache import KVCache, kv_bytes_per_slot
-from lightning_tlt.core.runner import ModelRunner, is_supported, unwrap_model
-from lightning_tlt.core.sampling import processed_probs, sample, token_logprobs
+from lightning_tlt.core.prompts import validate_prompts
+from lightning_tlt.core.runner import ModelRunner, eos_token_ids, is_supported, unwrap_model
+from lightning_tlt.core.sampling import exponential_noise
 from lightning_tlt.core.types import (
     FinishReason,
     RolloutOutput,
@@ -40,9 +50,16 @@ from lightning_tlt.core.types import (
     StepListener,
 )
 from lightning_tlt.drafters.eagle import EagleDrafter
+from lightning_tlt.drafters.suffix import SuffixDrafter
 from lightning_tlt.rollout.cuda_graphs import CUDAGraphBackend, CUDAGraphProfileCache, GraphProfile
+from lightning_tlt.rollout.gate import AdaptiveGate
+from lightning_tlt.rollout.hf_fallback import generate_hf
 from lightning_tlt.rollout.scheduler import Request, SlotScheduler
-from lightning_tlt.rollout.spec_decode import SpecDecoder, default_drafter
+from lightning_tlt.rollout.slot_state import MAX_STOP_IDS, SlotState
+from lightning_tlt.rollout.spec_metrics import SpeculationMetrics
+from lightning_tlt.rollout.spec_step import DraftVocabulary, SpeculativeStep, StepContext
+from lightning_tlt.rollout.steps import SamplingKey, decode_update
+from lightning_tlt.rollout.tuner import DraftLengthTuner
 
 CPU_DEFAULT_SLOTS = 16
 """Slots on the CPU when neither ``max_batch_size`` nor a memory budget is given."""
@@ -50,47 +67,23 @@ MAX_AUTO_SLOTS = 256
 """Largest slot count chosen from a memory budget."""
 CUDA_FREE_MEMORY_FRACTION = 0.4
 """Share of free CUDA memory the KV cache may take when no budget is given."""
-_MAX_STOP_IDS = 8
+
+Results = dict[int, tuple[list[int], list[float]]]
 
 
 def model_eos_ids(model: nn.Module) -> list[int]:
-    """The model's eos id(s): ``generation_config.eos_token_id``, else ``config.eos_token_id``."""
-    model = unwrap_model(model)
-    for holder in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        eos = getattr(holder, "eos_token_id", None)
-        if eos is not None:
-            return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
-    return []
-
-
-@dataclass
-class _DecodeState:
-    """Per-slot step state, static buffers that captured graphs read and write in place."""
-
-    tokens: Tensor  # (S,) long: the next input token of each slot
-    positions: Tensor  # (S,) long: its position (= the slot's KV length)
-    num_generated: Tensor  # (S,) long
-    finished: Tensor  # (S,) bool: finished, or an empty slot
-    out_tokens: Tensor  # (S, M + 1) long: column M is a sink for inactive rows
-    out_logprobs: Tensor  # (S, M + 1) float32
-    stop_ids: Tensor  # (_MAX_STOP_IDS,) long, padded with -1
-    max_new: Tensor  # () long
-    hidden: Tensor  # (S, H) final hidden state at each slot's last fed token (EAGLE's feature)
-
-    def tensors(self) -> list[Tensor]:
-        return [self.tokens, self.positions, self.num_generated, self.finished, self.out_tokens, self.out_logprobs]
-
-    def move_rows(self, src: Tensor, dst: Tensor) -> None:
-        for t in [*self.tensors(), self.hidden]:
-            t[dst] = t[src]
+    """The model's eos id(s) (deprecated name of `lightning_tlt.core.runner.eos_token_ids`)."""
+    return eos_token_ids(model)
 
 
 @dataclass
 class _Pending:
-    """A launched step whose finished flags are on their way to the host."""
+    """A launched step whose finish flags (and emitted counts) are on their way to the host."""
 
     snapshot: list[Request]  # the request in each slot when the step was launched
+    phase: str  # "decode" or "speculative"
     flags: Tensor  # (n,) bool, host side once ``event`` has completed
+    emitted: Tensor | None  # (n,) long tokens each row appended (speculative steps)
     event: Any  # torch.cuda.Event | None
 
 
@@ -98,10 +91,26 @@ class _Pending:
 class _Timers:
     phase_s: dict[str, float] = field(default_factory=dict)
     steps: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
 
-    def add(self, phase: str, seconds: float) -> None:
+    def add(self, phase: str, seconds: float, tokens: int = 0) -> None:
         self.phase_s[phase] = self.phase_s.get(phase, 0.0) + seconds
         self.steps[phase] = self.steps.get(phase, 0) + 1
+        self.tokens[phase] = self.tokens.get(phase, 0) + tokens
+
+
+@dataclass
+class _Run:
+    """The bookkeeping of one ``generate`` call."""
+
+    results: Results = field(default_factory=dict)
+    timers: _Timers = field(default_factory=_Timers)
+    pending: deque[_Pending] = field(default_factory=deque)
+    bounds: dict[int, int] = field(default_factory=dict)  # request index -> upper bound of its KV length
+    steps: int = 0
+    tokens: int = 0
+    last: float = 0.0
+    bar: Any = None
 
 
 class RolloutEngine:
@@ -114,12 +123,14 @@ class RolloutEngine:
         max_seq_len: longest prompt + completion a slot holds.
         memory_budget_bytes: KV-cache budget used to derive ``max_batch_size``; ``None`` takes a
             share of free CUDA memory, or `CPU_DEFAULT_SLOTS` slots on the CPU.
-        use_cuda_graphs: capture decode steps as CUDA graphs; ``None``: on when on CUDA.
-        compile: ``torch.compile(fullgraph=True)`` the model step; ``None``: on when on CUDA.
+        use_cuda_graphs: capture steps as CUDA graphs; ``None``: on when on CUDA.
+        compile: ``torch.compile(fullgraph=True)`` the steps; ``None``: on when on CUDA.
         speculative: when and how to speculate (see `SpeculativeConfig`); ``None`` never does.
         progress: show a tqdm bar over generated tokens.
         graph_memory_budget_bytes: budget of the graph cache (LRU eviction above it).
         prefill_chunk_tokens: most (padded) prompt tokens prefilled in one forward.
+        attention: the cached-attention backend (`lightning_tlt.core.attention.ATTENTION_BACKENDS`):
+            ``"auto"`` is the Triton kernel on CUDA and masked SDPA on the CPU.
     """
 
     def __init__(
@@ -135,6 +146,7 @@ class RolloutEngine:
         progress: bool = False,
         graph_memory_budget_bytes: int | None = None,
         prefill_chunk_tokens: int = 16384,
+        attention: str = "auto",
     ) -> None:
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len!r}")
@@ -155,30 +167,42 @@ class RolloutEngine:
         self._memory_budget = memory_budget_bytes
         self._max_batch_size = max_batch_size
         self._listeners: list[StepListener] = []
-        self._runner = ModelRunner(model) if is_supported(model) else None
-        self._drafter: Any = default_drafter(self.speculative, model) if self.speculative.enabled else None
-        self._drafter_handle = 0  # bumped whenever the drafter object is replaced (graph keys)
-        self.drafter_version = 0
-        """Version of the published drafter weights (`set_drafter` advances it)."""
-        self._spec = SpecDecoder(self, self.speculative) if self.speculative.enabled and self._runner else None
-        if self.speculative.enabled and self._runner is None:
+        self._runner = ModelRunner(model, attention) if is_supported(model) else None
+        spec = self.speculative
+        self._spec_on = spec.enabled and self._runner is not None
+        if spec.enabled and self._runner is None:
             warnings.warn(
                 f"{type(unwrap_model(model)).__name__} runs on the generic HF path, which does not speculate",
                 stacklevel=2,
             )
+        self._drafter: Any = default_drafter(spec, model) if spec.enabled else None
+        self._drafter_handle = 0  # bumped whenever the drafter object is replaced (graph keys)
+        self.drafter_version = 0
+        """Version of the published drafter weights (`set_drafter` advances it)."""
+        self.max_draft_tokens = spec.num_draft_tokens or max(spec.draft_candidates)
+        self._gate = AdaptiveGate(spec.threshold, spec.hysteresis_steps) if self._spec_on else None
+        self._tuner: DraftLengthTuner | None = None
+        if self._spec_on and spec.num_draft_tokens is None:
+            arms = ((0,) if spec.plain_arm else ()) + spec.draft_candidates
+            self._tuner = DraftLengthTuner(arms, epsilon=spec.tuner_epsilon, min_samples=spec.tuner_min_samples)
+        self._vocab = DraftVocabulary(spec.draft_vocab_size, self.vocab_size)
+        self._spec_step: SpeculativeStep | None = None
+        self.metrics = SpeculationMetrics(max_draft_tokens=16)
+        """Speculation figures of the last ``generate`` call (torchmetrics states)."""
         self._cache: KVCache | None = None
-        self._state: _DecodeState | None = None
+        self._state: SlotState | None = None
         self._graphs: CUDAGraphProfileCache | None = None
         self._gen: torch.Generator | None = None
-        self._compiled: Callable[..., tuple[Tensor, Tensor]] | None = None
+        self._forward: Callable[..., tuple[Tensor, Tensor]] | None = None
+        self._decode_update: Callable[..., None] = decode_update
         self._layout: tuple[Any, ...] = ()
         self._param_ptrs: tuple[int, ...] = ()
         self._scheduler = SlotScheduler(1)
-        self._prompt_features: dict[int, Tensor] = {}
-        self._pinned: list[Tensor] = []
+        self._pinned: list[tuple[Tensor, Tensor]] = []
         self._pinned_next = 0
+        self._speculative_steps = 0
+        self._prompt_features: dict[int, Tensor] = {}
         self.last_stats: dict[str, float] = {}
-        self._pending_adaptive: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ read-only properties
     @property
@@ -212,6 +236,13 @@ class RolloutEngine:
         return self._runner is not None
 
     @property
+    def attention(self) -> str:
+        """The cached-attention backend in use ("triton" or "sdpa")."""
+        if self._runner is None or self._runner.attention == "auto":
+            return default_backend(self.device)
+        return self._runner.attention
+
+    @property
     def num_slots(self) -> int:
         """Rows decoded together (the KV cache's slots)."""
         if self._cache is not None:
@@ -224,7 +255,7 @@ class RolloutEngine:
         per_slot = kv_bytes_per_slot(
             int(config.num_hidden_layers), self.max_seq_len,
             int(getattr(config, "num_key_value_heads", None) or num_heads), int(head_dim), self.dtype,
-        )
+        )  # fmt: skip
         budget = self._memory_budget
         if budget is None:
             if self.device.type != "cuda":
@@ -234,10 +265,14 @@ class RolloutEngine:
         return max(1, min(MAX_AUTO_SLOTS, budget // per_slot))
 
     @property
-    def tuner(self) -> Any:
-        """The draft-length tuner (`DraftLengthTuner`, built at the first speculative ``generate``
-        when ``num_draft_tokens`` is ``None``), or ``None``; its ``state_dict`` is what to checkpoint."""
-        return None if self._spec is None else self._spec.tuner
+    def tuner(self) -> DraftLengthTuner | None:
+        """The draft-length tuner (``None`` without speculation or with a fixed ``num_draft_tokens``)."""
+        return self._tuner
+
+    @property
+    def gate(self) -> AdaptiveGate | None:
+        """The speculation gate (``None`` without speculation)."""
+        return self._gate
 
     @property
     def graph_stats(self) -> dict[str, float]:
@@ -249,7 +284,7 @@ class RolloutEngine:
     def drafter(self) -> Any:
         """What speculation drafts with (`SuffixDrafter`, a frozen `EagleDrafter`, ...), or ``None``.
 
-        Assigning replaces it (the graphs captured for the old one are dropped); `set_drafter`
+        Assigning replaces it (the graphs captured for the old one are freed); `set_drafter`
         publishes new weights, in place where it can.
         """
         return self._drafter
@@ -261,7 +296,7 @@ class RolloutEngine:
         self._drafter = drafter
         self._drafter_handle += 1
         if self._graphs is not None:
-            self._graphs.drop(lambda profile: profile.phase == "draft")
+            self._graphs.drop(lambda profile: profile.phase == "spec")
 
     def set_drafter(self, drafter: Any, version: int | None = None) -> bool:
         """Publish ``drafter`` to the engine; returns whether it was taken.
@@ -303,32 +338,25 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ adaptive state
     def adaptive_state_dict(self) -> dict[str, Any]:
-        """What the engine has learned about speculating (the gate's and the tuner's state), for checkpoints."""
-        spec = self._spec
-        if spec is None:
+        """What the engine learned about speculating (gate, tuner, draft vocabulary), for checkpoints."""
+        if not self._spec_on:
             return {}
         return {
-            "gate": None if spec.gate is None else spec.gate.state_dict(),
-            "tuner": None if spec.tuner is None else spec.tuner.state_dict(),
+            "gate": None if self._gate is None else self._gate.state_dict(),
+            "tuner": None if self._tuner is None else self._tuner.state_dict(),
+            "draft_vocab": self._vocab.state_dict(),
         }
 
     def load_adaptive_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what `adaptive_state_dict` returned (applied once the engine has built its parts)."""
-        self._pending_adaptive = dict(state_dict) if state_dict else None
-        self._apply_adaptive_state()
-
-    def _apply_adaptive_state(self) -> None:
-        state, spec = self._pending_adaptive, self._spec
-        if state is None or spec is None:
+        """Restore what `adaptive_state_dict` returned."""
+        if not state_dict or not self._spec_on:
             return
-        if state.get("gate") is not None and spec.gate is not None:
-            spec.gate.load_state_dict(state["gate"])
-            state["gate"] = None
-        if state.get("tuner") is not None and spec.tuner is not None:
-            spec.tuner.load_state_dict(state["tuner"])
-            state["tuner"] = None
-        if state.get("gate") is None and state.get("tuner") is None:
-            self._pending_adaptive = None
+        if state_dict.get("gate") is not None and self._gate is not None:
+            self._gate.load_state_dict(state_dict["gate"])
+        if state_dict.get("tuner") is not None and self._tuner is not None:
+            self._tuner.load_state_dict(state_dict["tuner"])
+        if state_dict.get("draft_vocab") is not None:
+            self._vocab.load_state_dict(state_dict["draft_vocab"])
 
     # ------------------------------------------------------------------ listeners
     def add_listener(self, fn: StepListener) -> None:
@@ -341,47 +369,6 @@ class RolloutEngine:
     def _emit(self, event: StepEvent) -> None:
         for fn in list(self._listeners):
             fn(event)
-
-    # ------------------------------------------------------------------ validation
-    def _validate(
-        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, num_samples: int
-    ) -> list[tuple[int, ...]]:
-        if num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {num_samples!r}")
-        if not isinstance(prompts, Sequence) or isinstance(prompts, (str, bytes)):
-            raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
-        vocab = self.vocab_size
-        out = []
-        for i, prompt in enumerate(prompts):
-            ids = tuple(int(t) for t in prompt)
-            if not ids:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt {i} has token id {bad[0]!r} outside the vocabulary [0, {vocab})")
-            if len(ids) + sampling.max_new_tokens > self.max_seq_len:
-                raise ValueError(
-                    f"prompt {i} has {len(ids)} tokens; with max_new_tokens={sampling.max_new_tokens} that is "
-                    f"{len(ids) + sampling.max_new_tokens} > max_seq_len={self.max_seq_len}"
-                )
-            out.append(ids)
-        return out
-
-    def _stop_ids(self, sampling: SamplingConfig) -> list[int]:
-        ids = model_eos_ids(self._model) if sampling.stop_token_ids is None else list(sampling.stop_token_ids)
-        if len(ids) > _MAX_STOP_IDS:
-            raise ValueError(f"at most {_MAX_STOP_IDS} stop token ids are supported, got {ids!r}")
-        return ids
-
-    def _generator(self, generator: torch.Generator | None) -> torch.Generator:
-        """The engine's device generator, seeded from ``generator`` (advancing it) or at random."""
-        device = self.device
-        if self._gen is None or self._gen.device != device:
-            self._gen = torch.Generator(device)
-        source = "cpu" if generator is None else generator.device
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=source).item())
-        self._gen.manual_seed(seed)
-        return self._gen
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
@@ -405,20 +392,50 @@ class RolloutEngine:
             `RolloutOutput`, grouped by prompt (all samples of prompt 0 first).
         """
         sampling = sampling or SamplingConfig()
-        ids = self._validate(prompts, sampling, num_samples)
-        stop_ids = self._stop_ids(sampling)
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples!r}")
+        ids = validate_prompts(prompts, self.vocab_size, max_new_tokens=sampling.max_new_tokens,
+                               max_seq_len=self.max_seq_len)
+        stop_ids = eos_token_ids(self._model) if sampling.stop_token_ids is None else list(sampling.stop_token_ids)
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise ValueError(f"at most {MAX_STOP_IDS} stop token ids are supported, got {stop_ids!r}")
         gen = self._generator(generator)
         requests = [Request(p * num_samples + g, p, ids[p]) for p in range(len(ids)) for g in range(num_samples)]
         was_training = self._hf.training
         self._hf.eval()
+        run = _Run(bar=self._progress_bar(len(requests) * sampling.max_new_tokens))
+        start = time.perf_counter()
         try:
             if self._runner is None:
-                return self._generate_hf(requests, sampling, stop_ids, gen)
-            return self._generate_native(requests, sampling, stop_ids, gen)
+                run.results, run.steps, run.tokens = generate_hf(
+                    self._hf, requests, sampling, stop_ids, gen, slots=self.num_slots, emit=self._emit,
+                    bar=run.bar, timers=run.timers,
+                )
+                self._emit(StepEvent(run.steps, "done", 0, 0, self.num_slots, 0.0))
+            else:
+                self._generate_native(requests, sampling, stop_ids, gen, run)
         finally:
             self._hf.train(was_training)
+            if run.bar is not None:
+                run.bar.close()
+        return self._output(requests, run, stop_ids, time.perf_counter() - start)
 
-    # ------------------------------------------------------------------ native path
+    def _generator(self, generator: torch.Generator | None) -> torch.Generator:
+        """The engine's device generator, seeded from ``generator`` (advancing it) or at random."""
+        device = self.device
+        if self._gen is None or self._gen.device != device:
+            self._gen = torch.Generator(device)
+        source = "cpu" if generator is None else generator.device
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=source).item())
+        self._gen.manual_seed(seed)
+        return self._gen
+
+    # ------------------------------------------------------------------ buffers
+    def _capture_layers(self) -> tuple[int, ...]:
+        """HF ``hidden_states`` indices an EAGLE-3 drafter reads (``()``: the last hidden state)."""
+        layers = getattr(self._drafter, "feature_layers", None) if self._spec_on else None
+        return tuple(layers) if layers else ()
+
     def _ensure_buffers(self) -> None:
         assert self._runner is not None
         spec = self._runner.spec
@@ -428,44 +445,40 @@ class RolloutEngine:
         if self._cache is not None and self._layout == layout:
             return
         slots = self.num_slots
-        # positions padded to a multiple of 64: aligned attention masks keep SDPA's fused kernels eligible
-        room = (self.speculative.num_draft_tokens or max(self.speculative.draft_candidates)) + 1
-        cache_len = -(-(self.max_seq_len + (room if self.speculative.enabled else 0)) // 64) * 64
+        room = self.max_draft_tokens + 1 if self._spec_on else 0
+        cache_len = -(-(self.max_seq_len + room) // 64) * 64  # padded to whole 64-position blocks
         self._cache = KVCache.allocate(
             spec.num_layers, slots, cache_len, spec.num_kv_heads, spec.head_dim, device=device, dtype=dtype
         )
-        m = self.max_seq_len
-        self._state = _DecodeState(
-            tokens=torch.zeros(slots, dtype=torch.long, device=device),
-            positions=torch.zeros(slots, dtype=torch.long, device=device),
-            num_generated=torch.zeros(slots, dtype=torch.long, device=device),
-            finished=torch.ones(slots, dtype=torch.bool, device=device),
-            out_tokens=torch.zeros(slots, m + 1, dtype=torch.long, device=device),
-            out_logprobs=torch.zeros(slots, m + 1, dtype=torch.float32, device=device),
-            stop_ids=torch.full((_MAX_STOP_IDS,), -1, dtype=torch.long, device=device),
-            max_new=torch.zeros((), dtype=torch.long, device=device),
-            hidden=torch.zeros(slots, spec.hidden_size * max(1, len(capture)), dtype=dtype, device=device),
-        )
+        self._state = SlotState.allocate(
+            slots, self.max_seq_len, spec.hidden_size * max(1, len(capture)), device=device, dtype=dtype,
+            max_draft_tokens=self.max_draft_tokens if self._spec_on else 0,
+        )  # fmt: skip
         on_cuda = device.type == "cuda"
         use_graphs = on_cuda if self._use_cuda_graphs is None else self._use_cuda_graphs
         if use_graphs and not on_cuda:
             warnings.warn("use_cuda_graphs=True without CUDA: running eagerly", stacklevel=3)
             use_graphs = False
-        backend = None
-        if use_graphs:
-            assert self._gen is not None
-            backend = CUDAGraphBackend(device, generators=[self._gen])
-        self._graphs = CUDAGraphProfileCache(
-            backend, max_batch=slots, memory_budget_bytes=self._graph_memory_budget
-        )
+        self._gen = self._gen if self._gen is not None and self._gen.device == device else torch.Generator(device)
+        backend = CUDAGraphBackend(device, generators=[self._gen]) if use_graphs else None
+        self._graphs = CUDAGraphProfileCache(backend, max_batch=slots, memory_budget_bytes=self._graph_memory_budget)
         use_compile = on_cuda if self._compile is None else self._compile
-        self._compiled = self._model_step
+        self._forward, self._decode_update = self._model_step, decode_update
         if use_compile:
-            # the batch dimension turns dynamic after the second bucket: two compilations serve all buckets
-            self._compiled = torch.compile(self._model_step, fullgraph=True)
-        if self._spec is not None:
-            self._spec.allocate(slots, cache_len, device, dtype)
-        self._pinned = [torch.zeros(slots, dtype=torch.bool, pin_memory=on_cuda) for _ in range(2)]
+            # the batch (and tokens-per-row) dimensions turn dynamic after a second shape: few compilations
+            self._forward = torch.compile(self._model_step, fullgraph=True)
+            self._decode_update = torch.compile(decode_update, fullgraph=True)
+        if self._spec_on:
+            self._spec_step = SpeculativeStep(self.max_draft_tokens, self._vocab, compile=use_compile)
+            rows = min(slots, self._graphs.bucket(min(self.speculative.threshold, slots)))
+            self._gate = AdaptiveGate(min(self.speculative.threshold, rows), self.speculative.hysteresis_steps,
+                                      hard_limit=rows)
+            if self._tuner is not None:
+                self._tuner.set_device(device)
+        self._pinned = [
+            (torch.zeros(slots, dtype=torch.bool, pin_memory=on_cuda), torch.zeros(slots, dtype=torch.long, pin_memory=on_cuda))
+            for _ in range(2)
+        ]
         self._pinned_next = 0
         self._layout = layout
 
@@ -476,101 +489,83 @@ class RolloutEngine:
             self._graphs.clear()
         self._param_ptrs = ptrs
 
-    def _capture_layers(self) -> tuple[int, ...]:
-        """HF ``hidden_states`` indices an EAGLE-3 drafter reads (``()``: the last hidden state)."""
-        layers = getattr(self.drafter, "feature_layers", None) if self._spec_on_runner else None
-        return tuple(layers) if layers else ()
-
-    @property
-    def _spec_on_runner(self) -> bool:
-        return self.speculative.enabled and self._runner is not None
-
     def _model_step(
-        self, tokens: Tensor, positions: Tensor, k: list[Tensor], v: list[Tensor], capture: tuple[int, ...] = ()
+        self, tokens: Tensor, positions: Tensor, k: list[Tensor], v: list[Tensor], capture: tuple[int, ...] = (),
+        kv_len: int | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Logits ``(B, q, V)`` and features ``(B, q, F)``: the last hidden state, or the EAGLE-3
         concatenation of the ``capture`` layers' hidden states."""
         assert self._runner is not None
-        out = self._runner.forward(tokens, positions, k, v, capture_layers=capture)
+        out = self._runner.forward(tokens, positions, k, v, capture_layers=capture, kv_len=kv_len)
         assert out.logits is not None
         if not capture:
             return out.logits, out.hidden
         return out.logits, torch.cat([out.layer_hidden[i] for i in capture], dim=-1)
 
-    def _sample(self, logits: Tensor, sampling: SamplingConfig) -> tuple[Tensor, Tensor]:
-        """``(B, V)`` logits -> sampled tokens ``(B,)`` and their logprobs ``(B,)``."""
-        if sampling.greedy:
-            return logits.argmax(-1), torch.zeros(logits.shape[0], device=logits.device)
-        probs = processed_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-        tokens = sample(probs, self._gen)
-        return tokens, token_logprobs(probs, tokens)
+    def _context(self) -> StepContext:
+        assert self._state is not None and self._cache is not None and self._graphs is not None
+        assert self._forward is not None and self._gen is not None
+        return StepContext(self._state, self._cache, self._forward, self._graphs, self._run_step, self._gen,
+                           self._capture_layers(), self.attention)
 
-    def _decode_step(self, batch: int, sampling: SamplingConfig) -> None:
-        """One decode step over slots ``0..batch-1``, in place on the static state (graph-capturable)."""
+    # ------------------------------------------------------------------ steps
+    def _decode_step(self, batch: int, sampling: SamplingKey, kv_len: int | None) -> None:
+        """One plain decode step over slots ``0..batch-1``, in place (graph-capturable)."""
         st, cache = self._state, self._cache
-        assert st is not None and cache is not None and self._compiled is not None
-        tokens, positions = st.tokens[:batch], st.positions[:batch]
+        assert st is not None and cache is not None and self._forward is not None
         capture = self._capture_layers()
-        logits, hidden = self._compiled(tokens[:, None], positions[:, None], cache.k, cache.v, capture)
-        new, logp = self._sample(logits[:, -1], sampling)
-        active = ~st.finished[:batch]
-        st.hidden[:batch] = hidden[:, -1]
-        count = st.num_generated[:batch]
-        column = torch.where(active, count, st.out_tokens.shape[1] - 1)[:, None]
-        st.out_tokens[:batch].scatter_(1, column, new[:, None])
-        st.out_logprobs[:batch].scatter_(1, column, logp[:, None].float())
-        count = count + active.long()
-        stop = (new[:, None] == st.stop_ids[None, :]).any(-1)
-        st.finished[:batch] = st.finished[:batch] | (active & (stop | (count >= st.max_new)))
-        st.num_generated[:batch] = count
-        st.tokens[:batch] = torch.where(active, new, tokens)
-        st.positions[:batch] = positions + active.long()
-
-    def _snapshot(self) -> Callable[[], None]:
-        """Save the step state (and generator) so a graph warm-up leaves no trace; returns the restore."""
-        st = self._state
-        assert st is not None and self._gen is not None
-        tensors = [*st.tensors(), st.hidden]
-        if self._spec is not None and self._spec.buffers is not None:
-            tensors += self._spec.buffers.state_tensors()
-        saved = [t.clone() for t in tensors]
-        gen_state = self._gen.get_state()
-
-        def restore() -> None:
-            for t, s in zip(tensors, saved):
-                t.copy_(s)
-            self._gen.set_state(gen_state)  # type: ignore[union-attr]
-
-        return restore
+        logits, hidden = self._forward(st.tokens[:batch, None], st.positions[:batch, None], cache.k, cache.v,
+                                       capture, kv_len)
+        noise = None if sampling.greedy else exponential_noise((batch, logits.shape[-1]), self._gen, logits.device)
+        self._decode_update(st, batch, logits, hidden, noise, sampling)
 
     def _run_step(self, profile: GraphProfile, fn: Callable[[], None]) -> None:
         graphs = self._graphs
-        assert graphs is not None
+        assert graphs is not None and self._state is not None and self._gen is not None
         if graphs.enabled and profile not in graphs:
-            restore = self._snapshot()
+            restore = self._state.snapshot()
+            gen_state = self._gen.get_state()
             graphs.capture([profile], lambda _: fn)
             restore()
+            self._gen.set_state(gen_state)
         try:
             graphs.run(profile, fn)
         except Exception as err:
-            if self._compiled is self._model_step:
+            if self._forward is self._model_step:
                 raise
             # a compiler failure must cost speed, not the rollout: continue uncompiled
-            warnings.warn(f"torch.compile of the decode step failed ({err!r}); running it uncompiled", stacklevel=2)
-            self._compiled = self._model_step
+            warnings.warn(f"torch.compile of the engine's steps failed ({err!r}); running uncompiled", stacklevel=2)
+            self._forward, self._decode_update = self._model_step, decode_update
+            if self._spec_step is not None:
+                self._spec_step = SpeculativeStep(self.max_draft_tokens, self._vocab, compile=False)
+                self._spec_step.begin(self._hf.lm_head)
             graphs.clear()
             self._run_step(profile, fn)
 
+    def _kv_len(self, run: _Run, active: Sequence[Request], q: int) -> int | None:
+        """The SDPA path's KV bucket: a power of two above every row's length after this step (the
+        Triton path reads each row's own length and needs none)."""
+        assert self._cache is not None
+        for r in active:
+            run.bounds[r.index] += q
+        if self.attention != "sdpa":
+            return None
+        longest = max(run.bounds[r.index] for r in active)
+        return min(self._cache.max_seq_len, max(64, 1 << (longest - 1).bit_length()))
+
+    # ------------------------------------------------------------------ prefill
     def _prefill(self, admitted: list[tuple[int, Request]]) -> None:
         """Fill the KV prefix (all prompt tokens but the last) of newly admitted slots.
 
         Each distinct prompt is prefilled once; a prompt whose sibling is already decoding copies
-        that sibling's prefix instead. The last prompt token is fed by the next decode step,
-        which samples the first completion token.
+        that sibling's prefix instead. The last prompt token is fed by the next step, which samples
+        the first completion token. With an EAGLE drafter the prompt also runs through the drafter,
+        so its history starts at the row's own prefill.
         """
         st, cache, runner = self._state, self._cache, self._runner
         assert st is not None and cache is not None and runner is not None
         device = self.device
+        drafter = self._drafter if self._spec_on and isinstance(self._drafter, EagleDrafter) else None
         new_slots = {slot for slot, _ in admitted}
         by_prompt: dict[int, list[int]] = {}
         prompt_of: dict[int, tuple[int, ...]] = {}
@@ -580,6 +575,7 @@ class RolloutEngine:
         copy_src: list[int] = []
         copy_dst: list[int] = []
         to_prefill: list[int] = []
+        features: dict[int, Tensor] = {}
         for prompt_index, slots in by_prompt.items():
             if len(prompt_of[prompt_index]) == 1:
                 continue
@@ -594,166 +590,216 @@ class RolloutEngine:
                 to_prefill.append(prompt_index)
         if copy_dst:
             length = max(len(prompt_of[self._scheduler.active[s].prompt_index]) for s in copy_src) - 1
-            cache.copy_slots(torch.tensor(copy_dst, device=device), torch.tensor(copy_src, device=device), length)
+            src, dst = torch.tensor(copy_src, device=device), torch.tensor(copy_dst, device=device)
+            cache.copy_slots(dst, src, length)
+            for s, d in zip(copy_src, copy_dst):
+                features[d] = self._prompt_features[self._scheduler.active[s].prompt_index]
+            if drafter is not None and st.spec is not None and st.spec.dcache is not None:
+                st.spec.dcache.copy_slots(dst, src, length)
         # prefill distinct prompts in chunks of at most prefill_chunk_tokens padded tokens, longest first
         to_prefill.sort(key=lambda p: -len(prompt_of[p]))
+        capture = self._capture_layers()
         while to_prefill:
             longest = len(prompt_of[to_prefill[0]]) - 1
             n = max(1, min(len(to_prefill), self.prefill_chunk_tokens // longest))
             chunk, to_prefill = to_prefill[:n], to_prefill[n:]
-            tokens = torch.zeros(len(chunk), longest, dtype=torch.long)
+            tokens = torch.zeros(len(chunk), longest + 1, dtype=torch.long)
             for row, p in enumerate(chunk):
-                prefix = prompt_of[p][:-1]
-                tokens[row, : len(prefix)] = torch.tensor(prefix)
+                tokens[row, : len(prompt_of[p])] = torch.tensor(prompt_of[p])
+            tokens = tokens.to(device)
             spec = runner.spec
-            scratch = KVCache.allocate(
-                spec.num_layers, len(chunk), longest, spec.num_kv_heads, spec.head_dim,
-                device=device, dtype=cache.dtype,
-            )
+            scratch = KVCache.allocate(spec.num_layers, len(chunk), longest, spec.num_kv_heads, spec.head_dim,
+                                       device=device, dtype=cache.dtype)
             positions = torch.arange(longest, device=device)[None].expand(len(chunk), longest)
-            capture = self._capture_layers()
-            out = runner.forward(tokens.to(device), positions, scratch.k, scratch.v, prefill=True, logits=False,
+            out = runner.forward(tokens[:, :-1], positions, scratch.k, scratch.v, prefill=True, logits=False,
                                  capture_layers=capture)
             hidden = torch.cat([out.layer_hidden[i] for i in capture], -1) if capture else out.hidden
             last = torch.tensor([len(prompt_of[p]) - 2 for p in chunk], device=device)
-            features = hidden[torch.arange(len(chunk), device=device), last]  # (Bp, F)
-            for row, p in enumerate(chunk):  # what an EAGLE drafter reads first (no re-prefill needed)
-                self._prompt_features[p] = features[row]
-            dst = [s for p in chunk for s in by_prompt[p]]
-            src = [row for row, p in enumerate(chunk) for _ in by_prompt[p]]
-            cache.write_prefix(torch.tensor(dst, device=device), scratch.k, scratch.v, torch.tensor(src, device=device))
-        slot_ids = torch.tensor([s for s, _ in admitted], device=device)
+            feats = hidden[torch.arange(len(chunk), device=device), last]  # (Bp, F): what the drafter reads first
+            dst_t = torch.tensor([s for p in chunk for s in by_prompt[p]], device=device)
+            src_t = torch.tensor([row for row, p in enumerate(chunk) for _ in by_prompt[p]], device=device)
+            cache.write_prefix(dst_t, scratch.k, scratch.v, src_t)
+            for row, p in enumerate(chunk):
+                self._prompt_features[p] = feats[row]
+                for s in by_prompt[p]:
+                    features[s] = feats[row]
+            if drafter is not None and self._spec_step is not None:
+                dcache = st.ensure_drafter_cache(drafter.num_kv_heads, drafter.head_dim, cache.max_seq_len,
+                                                 drafter.fc.weight.dtype)
+                dscratch = self._spec_step.prefill_drafter(self._context(), drafter, hidden, tokens[:, 1:], last + 1)
+                dcache.write_prefix(dst_t, dscratch.k, dscratch.v, src_t)
+        slots = [s for s, _ in admitted]
+        slot_ids = torch.tensor(slots, device=device)
         zero = st.hidden.new_zeros(st.hidden.shape[1])
-        st.hidden[slot_ids] = torch.stack([self._prompt_features.get(r.prompt_index, zero) for _, r in admitted])
-        st.tokens[slot_ids] = torch.tensor([r.prompt[-1] for _, r in admitted], device=device)
-        st.positions[slot_ids] = torch.tensor([len(r.prompt) - 1 for _, r in admitted], device=device)
-        st.num_generated[slot_ids] = 0
-        st.finished[slot_ids] = False
+        lengths = torch.tensor([len(r.prompt) for _, r in admitted], device=device)
+        prefix_end = (lengths - 2) if drafter is not None else None
+        st.reset_rows(
+            slot_ids,
+            torch.tensor([r.prompt[-1] for _, r in admitted], device=device),
+            lengths - 1,
+            torch.stack([features.get(s, zero) for s in slots]),
+            prefix_end,
+        )
 
+    # ------------------------------------------------------------------ the loop
     def _generate_native(
-        self, requests: list[Request], sampling: SamplingConfig, stop_ids: list[int], gen: torch.Generator
-    ) -> RolloutOutput:
+        self, requests: list[Request], sampling: SamplingConfig, stop_ids: list[int], gen: torch.Generator, run: _Run
+    ) -> None:
         self._ensure_buffers()
         self._check_params()
         st, graphs = self._state, self._graphs
         assert st is not None and graphs is not None
-        st.finished.fill_(True)
-        st.positions.zero_()
-        st.tokens.zero_()
-        st.stop_ids.fill_(-1)
-        if stop_ids:
-            st.stop_ids[: len(stop_ids)] = torch.tensor(stop_ids, device=st.stop_ids.device)
-        st.max_new.fill_(sampling.max_new_tokens)
-        sampling_key = (sampling.greedy, sampling.temperature, sampling.top_k, sampling.top_p)
-        self._scheduler = sched = SlotScheduler(self._cache.num_slots, requests)  # type: ignore[union-attr]
-        results: dict[int, tuple[list[int], list[float]]] = {}
-        timers = _Timers()
-        bar = self._progress_bar(len(requests) * sampling.max_new_tokens)
-        counters = {"step": 0, "tokens": 0}
-        pending: deque[_Pending] = deque()
-        spec = self._spec
+        st.begin(stop_ids, sampling.max_new_tokens)
+        key = SamplingKey(sampling.temperature, sampling.top_k, sampling.top_p)
+        self._scheduler = sched = SlotScheduler(st.num_slots, requests)
         self._prompt_features = {}
-        if spec is not None:
-            spec.begin()
-            self._apply_adaptive_state()
-        start = last = time.perf_counter()
+        self._speculative_steps = 0
+        if self._spec_step is not None:
+            assert self._gate is not None
+            self._gate.reset()
+            self._spec_step.begin(self._hf.lm_head)
+        run.last = time.perf_counter()
         while True:
             admitted = sched.admit()
             if admitted:
                 t0 = time.perf_counter()
                 self._prefill(admitted)
+                for _, r in admitted:
+                    run.bounds[r.index] = len(r.prompt)
                 dt = time.perf_counter() - t0
-                timers.add("prefill", dt)
-                counters["step"] += 1
-                self._emit(StepEvent(counters["step"], "prefill", sched.num_active, sched.num_queued,
-                                     sched.num_slots, dt))
+                run.timers.add("prefill", dt)
+                run.steps += 1
+                self._emit(StepEvent(run.steps, "prefill", sched.num_active, sched.num_queued, sched.num_slots, dt))
             n = sched.num_active
-            if n and spec is not None and spec.wants(n):
-                while pending:  # speculation reads the rows' state: settle the plain steps in flight
-                    now = time.perf_counter()
-                    self._process(pending.popleft(), results, timers, counters, bar, now - last)
-                    last = now
-                n = sched.num_active
-                if n == 0:
-                    continue
-                new_tokens, dt = spec.step(n, sampling, sampling_key)
-                done_slots = st.finished[:n].nonzero().flatten().tolist()
-                if done_slots:
-                    self._harvest(done_slots, results)
-                timers.add("speculative", dt)
-                counters["step"] += 1
-                counters["tokens"] += new_tokens
-                if bar is not None:
-                    bar.update(new_tokens)
-                last = time.perf_counter()
-                self._emit(StepEvent(counters["step"], "speculative", sched.num_active, sched.num_queued,
-                                     sched.num_slots, dt, new_tokens=new_tokens))
-                continue
             if n:
-                batch = graphs.bucket(n)
-                profile = GraphProfile("decode", batch, 1, sampling_key)
-                self._run_step(profile, functools.partial(self._decode_step, batch, sampling))
-                pending.append(self._flags(list(sched.active)))
-                if spec is not None:
-                    spec.plain_step()
-            if not pending:
-                break
+                k = self._choose_k(n)
+                if k == 0:
+                    self._launch_plain(run, key, n)
+                elif isinstance(self._drafter, EagleDrafter):
+                    self._launch_speculative(run, key, n, k)
+                else:
+                    self._host_speculative(run, key, k)
+                    continue
+            if not run.pending:
+                if sched.done:
+                    break
+                continue
             # process the previous step's flags while this one runs (one step of lag, no bubble)
-            if len(pending) > 1 or not n:
-                now = time.perf_counter()
-                self._process(pending.popleft(), results, timers, counters, bar, now - last)
-                last = now
-        if bar is not None:
-            bar.close()
-        wall = time.perf_counter() - start
-        self._emit(StepEvent(counters["step"], "done", 0, 0, sched.num_slots, 0.0))
-        return self._output(requests, results, stop_ids, sampling, timers, wall, counters["step"], counters["tokens"])
+            if len(run.pending) > 1 or not n:
+                self._process(run.pending.popleft(), run)
+        self._finish_call(run)
 
-    def _flags(self, snapshot: list[Request]) -> _Pending:
-        """Start the copy of the step's finished flags to the host, without waiting for it."""
+    def _choose_k(self, n: int) -> int:
+        """Draft tokens for the next step over ``n`` rows: 0 (plain) unless the gate is on, then the tuner's."""
+        if self._spec_step is None or self._gate is None or self._drafter is None:
+            return 0
+        if not self._gate.update(n):
+            return 0
+        if self._tuner is None:
+            return self.max_draft_tokens
+        return self._tuner.choose(n)
+
+    def _launch_plain(self, run: _Run, key: SamplingKey, n: int) -> None:
+        graphs = self._graphs
+        assert graphs is not None
+        active = list(self._scheduler.active)
+        batch = graphs.bucket(n)
+        kv_len = self._kv_len(run, active, 1)
+        timing = self._tuner.start(0, n) if self._tuner is not None and self._gate is not None and self._gate.on else None
+        self._run_step(GraphProfile("decode", batch, 1, (key, kv_len)),
+                       functools.partial(self._decode_step, batch, key, kv_len))
+        if timing is not None and self._tuner is not None:
+            self._tuner.stop(timing, n)
+        run.pending.append(self._flags(active, "decode"))
+        if self._spec_step is not None:
+            self._spec_step.plain_step()
+
+    def _launch_speculative(self, run: _Run, key: SamplingKey, n: int, k: int) -> None:
+        """An EAGLE step: nothing is read back now (the flags and counts follow one step late)."""
+        graphs, st = self._graphs, self._state
+        assert graphs is not None and st is not None and st.spec is not None and self._spec_step is not None
+        active = list(self._scheduler.active)
+        batch = graphs.bucket(n)
+        kv_len = self._kv_len(run, active, k + 1)
+        timing = self._tuner.start(k, n) if self._tuner is not None else None
+        self._spec_step.run(self._context(), active, batch, k, key, self._drafter, self._drafter_handle, kv_len)
+        if timing is not None and self._tuner is not None:
+            self._tuner.stop(timing, st.spec.emitted[:n])
+        self._speculative_steps += 1
+        run.pending.append(self._flags(active, "speculative"))
+
+    def _host_speculative(self, run: _Run, key: SamplingKey, k: int) -> None:
+        """A host drafter's step: it needs this step's tokens before the next draft, so it is synchronous."""
+        while run.pending:  # settle the steps in flight: the drafter reads the rows' tokens
+            self._process(run.pending.popleft(), run)
+        sched, graphs, st = self._scheduler, self._graphs, self._state
+        assert graphs is not None and st is not None and self._spec_step is not None
+        n = sched.num_active
+        if n == 0:
+            return
+        active = list(sched.active)
+        batch = graphs.bucket(n)
+        kv_len = self._kv_len(run, active, k + 1)
+        timing = self._tuner.start(k, n) if self._tuner is not None else None
+        t0 = time.perf_counter()
+        new_tokens = self._spec_step.run(self._context(), active, batch, k, key, self._drafter,
+                                         self._drafter_handle, kv_len)
+        assert new_tokens is not None
+        emitted = sum(len(t) for t in new_tokens)
+        if timing is not None and self._tuner is not None:
+            self._tuner.stop(timing, emitted)
+        self._speculative_steps += 1
+        done = [s for s, f in enumerate(st.finished[:n].tolist()) if f]
+        if done:
+            self._harvest(done, run.results)
+        dt = time.perf_counter() - t0
+        self._account(run, "speculative", emitted, dt)
+        run.last = time.perf_counter()
+
+    def _flags(self, snapshot: list[Request], phase: str) -> _Pending:
+        """Start the copy of the step's finish flags (and emitted counts) to the host, without waiting."""
         st = self._state
         assert st is not None
         n = len(snapshot)
+        emitted = st.spec.emitted[:n] if phase == "speculative" and st.spec is not None else None
         if st.finished.device.type != "cuda":
-            return _Pending(snapshot, st.finished[:n].clone(), None)
-        buf = self._pinned[self._pinned_next]
+            return _Pending(snapshot, phase, st.finished[:n].clone(), None if emitted is None else emitted.clone(), None)
+        flags_buf, emitted_buf = self._pinned[self._pinned_next]
         self._pinned_next ^= 1
-        buf[:n].copy_(st.finished[:n], non_blocking=True)
+        flags_buf[:n].copy_(st.finished[:n], non_blocking=True)
+        if emitted is not None:
+            emitted_buf[:n].copy_(emitted, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return _Pending(snapshot, buf[:n], event)
+        return _Pending(snapshot, phase, flags_buf[:n], None if emitted is None else emitted_buf[:n], event)
 
-    def _process(
-        self,
-        done: _Pending,
-        results: dict[int, tuple[list[int], list[float]]],
-        timers: _Timers,
-        counters: dict[str, int],
-        bar: Any,
-        dt: float,
-    ) -> None:
+    def _process(self, done: _Pending, run: _Run) -> None:
         """Harvest the rows a finished step ended, and tell the listeners about that step."""
         if done.event is not None:
             done.event.synchronize()
         flags = done.flags.tolist()
-        live = [r for r in done.snapshot if r.index not in results]
-        new_tokens = len(live)
-        ended = [r for r, f in zip(done.snapshot, flags) if f and r.index not in results]
+        counts = done.emitted.tolist() if done.emitted is not None else None
+        live = [i for i, r in enumerate(done.snapshot) if r.index not in run.results]
+        new_tokens = sum(counts[i] for i in live) if counts is not None else len(live)
+        ended = [done.snapshot[i] for i in live if flags[i]]
         if ended:
             slot_of = {r.index: s for s, r in enumerate(self._scheduler.active)}
-            self._harvest([slot_of[r.index] for r in ended], results)
+            self._harvest([slot_of[r.index] for r in ended], run.results)
+        now = time.perf_counter()
+        self._account(run, done.phase, new_tokens, now - run.last)
+        run.last = now
+
+    def _account(self, run: _Run, phase: str, new_tokens: int, dt: float) -> None:
         sched = self._scheduler
-        timers.add("decode", dt)
-        if self._spec is not None:
-            self._spec.metrics.update_step(False, "decode", new_tokens, dt)
-        counters["step"] += 1
-        counters["tokens"] += new_tokens
-        if bar is not None:
-            bar.update(new_tokens)
-        self._emit(StepEvent(counters["step"], "decode", sched.num_active, sched.num_queued, sched.num_slots, dt,
+        run.timers.add(phase, dt, new_tokens)
+        run.steps += 1
+        run.tokens += new_tokens
+        if run.bar is not None:
+            run.bar.update(new_tokens)
+        self._emit(StepEvent(run.steps, phase, sched.num_active, sched.num_queued, sched.num_slots, dt,  # type: ignore[arg-type]
                              new_tokens=new_tokens))
 
-    def _harvest(self, done_slots: list[int], results: dict[int, tuple[list[int], list[float]]]) -> None:
+    def _harvest(self, done_slots: list[int], results: Results) -> None:
         """Read finished rows' completions, free their slots and repack the active rows."""
         st, cache, sched = self._state, self._cache, self._scheduler
         assert st is not None and cache is not None
@@ -765,51 +811,62 @@ class RolloutEngine:
         finished, moves = sched.release(done_slots)
         for request, c, t, lp in zip(finished, counts, toks, lps):
             results[request.index] = (t[:c], lp[:c])
-        if self._spec is not None:
-            self._spec.finished(finished)
+        if self._spec_step is not None:
+            self._spec_step.finished(finished, self._drafter)
         if moves:
             src = torch.tensor([s for s, _ in moves], device=idx.device)
             dst = torch.tensor([d for _, d in moves], device=idx.device)
             cache.copy_slots(dst, src)
             st.move_rows(src, dst)
-            if self._spec is not None:
-                self._spec.move_rows(src, dst)
         st.finished[sched.num_active :] = True
 
-    def _output(
-        self,
-        requests: list[Request],
-        results: dict[int, tuple[list[int], list[float]]],
-        stop_ids: list[int],
-        sampling: SamplingConfig,
-        timers: _Timers,
-        wall: float,
-        steps: int,
-        tokens_total: int,
-    ) -> RolloutOutput:
+    def _finish_call(self, run: _Run) -> None:
+        """End of the loop: speculation figures (one host read of the device counters), "done" event."""
+        sched, st = self._scheduler, self._state
+        assert st is not None
+        self.metrics = SpeculationMetrics(max_draft_tokens=16)
+        if st.counters is not None:
+            self.metrics.add_counters(st.counters.cpu())
+        for phase, seconds in run.timers.phase_s.items():
+            if phase in ("decode", "speculative"):
+                self.metrics.speculative_share.update(phase == "speculative", run.timers.steps[phase])
+            self.metrics.tokens_per_second.update(phase, run.timers.tokens.get(phase, 0), seconds)
+        if self._tuner is not None:
+            self._tuner.poll()
+        if not self._vocab.full:
+            self._vocab.observe([c for c, _ in run.results.values()])
+        self._emit(StepEvent(run.steps, "done", 0, 0, sched.num_slots, 0.0))
+
+    # ------------------------------------------------------------------ output
+    def _output(self, requests: list[Request], run: _Run, stop_ids: list[int], wall: float) -> RolloutOutput:
         stops = set(stop_ids)
-        completions = [results[r.index][0] for r in requests]
+        completions = [run.results[r.index][0] for r in requests]
         reasons: list[FinishReason] = ["stop" if c and c[-1] in stops else "length" for c in completions]
         generated = sum(len(c) for c in completions)
         stats: dict[str, float] = {
             "tokens": float(generated),
-            "steps": float(steps),
-            "row_steps": float(tokens_total),
+            "steps": float(run.steps),
+            "row_steps": float(run.tokens),
             "wall_time_s": wall,
             "tokens_per_s": generated / wall if wall > 0 else 0.0,
         }
-        for phase, seconds in timers.phase_s.items():
+        for phase, seconds in run.timers.phase_s.items():
             stats[f"time_{phase}_s"] = seconds
-            stats[f"steps_{phase}"] = float(timers.steps[phase])
-        if self._spec is not None and self._runner is not None:
-            stats.update(self._spec.stats())
+            stats[f"steps_{phase}"] = float(run.timers.steps[phase])
+        if self._spec_on:
+            stats.update(self.metrics.stats())
+            stats["spec/steps"] = float(self._speculative_steps)
+            if self._gate is not None:
+                stats["spec/gate_switches"] = float(self._gate.switches)
+            if self._tuner is not None:
+                stats.update(self._tuner.summary())
         if self._graphs is not None and self._graphs.enabled:
             stats.update({f"graphs_{k}": float(v) for k, v in self._graphs.stats.as_dict().items()})
         self.last_stats = stats
         return RolloutOutput(
             prompt_ids=[list(r.prompt) for r in requests],
             completion_ids=completions,
-            logprobs=[results[r.index][1] for r in requests],
+            logprobs=[run.results[r.index][1] for r in requests],
             finish_reasons=reasons,
             stats=stats,
         )
@@ -821,70 +878,17 @@ class RolloutEngine:
 
         return tqdm(total=total, unit="tok", desc="rollout", leave=False)
 
-    # ------------------------------------------------------------------ generic HF fallback
-    def _generate_hf(
-        self, requests: list[Request], sampling: SamplingConfig, stop_ids: list[int], gen: torch.Generator
-    ) -> RolloutOutput:
-        """Waves of ``num_slots`` rows through the model's own forward with ``past_key_values``."""
-        model, device = self._hf, self.device
-        stops = torch.tensor(stop_ids or [-1], device=device)
-        results: dict[int, tuple[list[int], list[float]]] = {}
-        timers = _Timers()
-        slots = self.num_slots
-        step = tokens_total = 0
-        bar = self._progress_bar(len(requests) * sampling.max_new_tokens)
-        start = time.perf_counter()
-        for w in range(0, len(requests), slots):
-            wave = requests[w : w + slots]
-            width = max(len(r.prompt) for r in wave)
-            ids = torch.zeros(len(wave), width, dtype=torch.long)
-            mask = torch.zeros(len(wave), width, dtype=torch.long)
-            for row, r in enumerate(wave):  # left padding
-                ids[row, width - len(r.prompt) :] = torch.tensor(r.prompt)
-                mask[row, width - len(r.prompt) :] = 1
-            ids, mask = ids.to(device), mask.to(device)
-            position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
-            finished = torch.zeros(len(wave), dtype=torch.bool, device=device)
-            out_t: list[Tensor] = []
-            out_lp: list[Tensor] = []
-            past = None
-            cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-            t0 = time.perf_counter()
-            for i in range(sampling.max_new_tokens):
-                out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
-                            **{cache_kw: past})
-                past = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
-                new, logp = self._sample(out.logits[:, -1], sampling)
-                new = torch.where(finished, torch.zeros_like(new), new)
-                out_t.append(new)
-                out_lp.append(logp)
-                active = int((~finished).sum())
-                tokens_total += active
-                if bar is not None:
-                    bar.update(active)
-                finished = finished | (new[:, None] == stops[None]).any(-1)
-                dt = time.perf_counter() - t0
-                timers.add("prefill" if i == 0 else "decode", dt)
-                step += 1
-                remaining = int((~finished).sum())
-                self._emit(StepEvent(step, "prefill" if i == 0 else "decode", remaining,
-                                     len(requests) - w - len(wave), slots, dt, new_tokens=active))
-                t0 = time.perf_counter()
-                if remaining == 0:
-                    break
-                ids = new[:, None]
-                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-                position_ids = position_ids[:, -1:] + 1
-            toks = torch.stack(out_t, 1).tolist()
-            lps = torch.stack(out_lp, 1).tolist()
-            for r, t, lp in zip(wave, toks, lps):
-                n = next((j + 1 for j, tok in enumerate(t) if tok in stop_ids), len(t))
-                results[r.index] = (t[:n], lp[:n])
-        if bar is not None:
-            bar.close()
-        wall = time.perf_counter() - start
-        self._emit(StepEvent(step, "done", 0, 0, slots, 0.0))
-        return self._output(requests, results, stop_ids, sampling, timers, wall, step, tokens_total)
+
+def default_drafter(config: SpeculativeConfig, model: nn.Module) -> Any:
+    """The drafter a `SpeculativeConfig` asks for: a `SuffixDrafter`, or a frozen `EagleDrafter`
+    (loaded from ``drafter_path``, else cold from the policy)."""
+    if config.method == "suffix":
+        return SuffixDrafter()
+    if config.method == "eagle":
+        if config.drafter_path is not None:
+            return EagleDrafter.from_pretrained(config.drafter_path, model).inference_copy()
+        return EagleDrafter.from_target(model).inference_copy()
+    return None
 
 
 def _same_layout(a: EagleDrafter, b: EagleDrafter) -> bool:

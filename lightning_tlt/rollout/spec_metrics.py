@@ -151,6 +151,15 @@ class SpeculationMetrics:
             self.tokens_per_second,
         )
 
+    def add_counters(self, counters: Tensor) -> None:
+        """Add the engine's speculation counters (`lightning_tlt.rollout.slot_state.SlotState.counters`,
+        ``(3, K + 1)``: rows, accepted + 1, tokens; reached and accepted per draft position)."""
+        k = min(counters.shape[1] - 1, self.acceptance_by_position.max_draft_tokens)
+        self.acceptance_length.rows += counters[0, 0].to(self.acceptance_length.rows)
+        self.acceptance_length.emitted += counters[0, 1].to(self.acceptance_length.emitted)
+        self.acceptance_by_position.reached[:k] += counters[1, :k].to(self.acceptance_by_position.reached)
+        self.acceptance_by_position.accepted[:k] += counters[2, :k].to(self.acceptance_by_position.accepted)
+
     def update_verify(self, num_accepted: Tensor, draft_lens: Tensor) -> None:
         self.acceptance_length.update(num_accepted)
         self.acceptance_by_position.update(num_accepted, draft_lens)

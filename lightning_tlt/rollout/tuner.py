@@ -1,4 +1,4 @@
-"""How many tokens to draft: a bucketed epsilon-greedy bandit on measured tokens per second.
+"""How many tokens to draft, zero included: a bucketed epsilon-greedy bandit on measured tokens per second.
 
 The best draft length k depends on the batch: at batch 1 a verify forward of 9 tokens costs about
 what a plain step does, so long drafts pay; at batch 20 the forward is no longer free and short
@@ -9,10 +9,18 @@ step time); with its defaults it is in effect the table batch 1 -> 48 verify tok
 the static table (the longest candidate for the smallest bucket, shorter for larger ones) as the
 prior that exploitation falls back to before an arm has been measured.
 
+Arm ``k = 0`` is plain decoding. Every arm of a bucket is tried ``min_samples`` times before the
+bandit exploits, and each arm is scored on what it achieved (tokens emitted per second of device
+time), so speculation can never stay on while it loses: with a useless drafter the plain arm wins
+after a handful of steps, and with a good one the gate's threshold is a cap, not a guess (a bucket
+where speculating pays keeps speculating, whatever its size).
+
 Timing never syncs the host with the device inside the decode loop: on CUDA, `start`/`stop` record
 an event pair and copy the emitted-token count into pinned host memory asynchronously; the pair is
 read (``elapsed_time``) only once ``end.query()`` says it has completed, at a later `choose` or
-`poll`. On CPU, `time.perf_counter` is used and read at once.
+`poll`. On CPU, `time.perf_counter` is used and read at once. A ``cost_model`` (seconds of a step
+as a function of ``k`` and the active rows) replaces the clock: tests and simulations use it to be
+deterministic.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from statistics import median
 from typing import Any
@@ -39,6 +47,7 @@ class _Timing:
     start_event: Any = None  # torch.cuda.Event on CUDA
     end_event: Any = None
     slot: int = -1  # index into the pinned token counter ring
+    rows: int = 0  # active rows of the step
     tokens: float = 0.0  # CPU: the count, known at once
 
 
@@ -53,7 +62,7 @@ class DraftLengthTuner:
         tuner.stop(timing, result.num_emitted.sum())   # a device tensor is fine: read lazily
 
     Args:
-        candidates: the k values to choose among (deduplicated, sorted).
+        candidates: the k values to choose among (deduplicated, sorted); 0 is plain decoding.
         epsilon: probability of exploring a uniformly random candidate; 0 keeps the static table
             (or the best measured arm).
         buckets: upper bounds (inclusive) of the batch-size buckets; one more bucket holds larger
@@ -65,6 +74,9 @@ class DraftLengthTuner:
         generator: the source of exploration randomness (CPU generator).
         device: where steps run; ``"cuda"`` devices are timed with CUDA events.
         max_pending: most CUDA timings in flight (older ones are read, waiting if needed).
+        min_samples: steps of each arm per bucket before exploiting (started steps, so arms whose
+            CUDA timing is still in flight are not tried again and again).
+        cost_model: ``(k, active_rows) -> seconds`` used instead of measuring (deterministic tests).
     """
 
     def __init__(
@@ -78,11 +90,15 @@ class DraftLengthTuner:
         generator: torch.Generator | None = None,
         device: torch.device | str | None = None,
         max_pending: int = 64,
+        min_samples: int = 2,
+        cost_model: Callable[[int, int], float] | None = None,
     ) -> None:
-        if not candidates or any(k < 1 for k in candidates):
+        if not candidates or any(k < 0 for k in candidates):
             raise ValueError(
-                f"candidates must be non-empty positive draft lengths, got {tuple(candidates)!r}"
+                f"candidates must be non-empty draft lengths >= 0 (0: plain decoding), got {tuple(candidates)!r}"
             )
+        if min_samples < 0:
+            raise ValueError(f"min_samples must be >= 0, got {min_samples!r}")
         if not 0.0 <= epsilon <= 1.0:
             raise ValueError(f"epsilon must be in [0, 1], got {epsilon!r}")
         if any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
@@ -107,6 +123,9 @@ class DraftLengthTuner:
                 f"buckets, got {tuple(table)!r}"
             )
         self.table: tuple[int, ...] = tuple(table)
+        self.min_samples = min_samples
+        self.cost_model = cost_model
+        self._started: dict[tuple[int, int], int] = {}
         self._generator = generator if generator is not None else torch.Generator().manual_seed(seed)
         self._rewards: dict[tuple[int, int], deque[float]] = {}
         self._counts: dict[tuple[int, int], int] = {}
@@ -117,6 +136,14 @@ class DraftLengthTuner:
         self.max_pending = max_pending
         if self._cuda:
             self._host_counts = torch.zeros(max_pending, dtype=torch.float64, pin_memory=True)
+
+    def set_device(self, device: torch.device | str) -> None:
+        """Time steps on ``device`` (CUDA events there; the host clock elsewhere)."""
+        cuda = torch.device(device).type == "cuda"
+        if cuda != self._cuda:
+            self.flush()
+            self._cuda = cuda
+            self._host_counts = torch.zeros(self.max_pending, dtype=torch.float64, pin_memory=True) if cuda else None
 
     # ---------------------------------------------------------------- choosing
     def bucket(self, active_rows: int) -> int:
@@ -141,8 +168,13 @@ class DraftLengthTuner:
         return best_k
 
     def choose(self, active_rows: int) -> int:
-        """The k for the next speculative step of a batch of ``active_rows`` rows."""
+        """The k for the next step of a batch of ``active_rows`` rows (0: a plain decode step)."""
         self.poll()
+        bucket = self.bucket(active_rows)
+        prior = self.table[bucket]
+        for k in (prior, *(c for c in self.candidates if c != prior)):  # the table's choice first
+            if self._started.get((bucket, k), 0) < self.min_samples:
+                return k
         if self.epsilon > 0.0:
             draw = torch.rand((), generator=self._generator)
             if float(draw) < self.epsilon:
@@ -157,7 +189,9 @@ class DraftLengthTuner:
             raise ValueError(f"k must be one of the candidates {self.candidates}, got {k!r}")
         if not seconds > 0.0:
             raise ValueError(f"seconds must be > 0, got {seconds!r}")
-        self._add(self.bucket(active_rows), k, float(emitted_tokens) / seconds)
+        key = (self.bucket(active_rows), k)
+        self._started[key] = self._started.get(key, 0) + 1
+        self._add(key[0], k, float(emitted_tokens) / seconds)
 
     def _add(self, bucket: int, k: int, reward: float) -> None:
         key = (bucket, k)
@@ -168,8 +202,10 @@ class DraftLengthTuner:
         """Begin timing a step that drafts ``k`` tokens for ``active_rows`` rows."""
         if k not in self.candidates:
             raise ValueError(f"k must be one of the candidates {self.candidates}, got {k!r}")
-        timing = _Timing(bucket=self.bucket(active_rows), k=k)
-        if self._cuda:
+        timing = _Timing(bucket=self.bucket(active_rows), k=k, rows=active_rows)
+        key = (timing.bucket, k)
+        self._started[key] = self._started.get(key, 0) + 1
+        if self._cuda and self.cost_model is None:
             timing.start_event = torch.cuda.Event(enable_timing=True)
             timing.start_event.record()
         else:
@@ -178,8 +214,11 @@ class DraftLengthTuner:
 
     def stop(self, timing: _Timing, emitted_tokens: Tensor | int | float) -> None:
         """End the step begun by `start`; ``emitted_tokens`` (all rows) may be a device tensor."""
-        if not self._cuda:
-            seconds = time.perf_counter() - timing.start_s
+        if not self._cuda or self.cost_model is not None:
+            if self.cost_model is not None:
+                seconds = self.cost_model(timing.k, timing.rows)
+            else:
+                seconds = time.perf_counter() - timing.start_s
             count = (
                 float(emitted_tokens.sum()) if isinstance(emitted_tokens, Tensor) else float(emitted_tokens)
             )
@@ -228,6 +267,7 @@ class DraftLengthTuner:
             "buckets": self.buckets,
             "rewards": {key: list(values) for key, values in self._rewards.items()},
             "counts": dict(self._counts),
+            "started": dict(self._started),
             "generator": self._generator.get_state(),
         }
 
@@ -241,6 +281,7 @@ class DraftLengthTuner:
             tuple(key): deque(values, maxlen=self.window) for key, values in state_dict["rewards"].items()
         }
         self._counts = {tuple(key): int(n) for key, n in state_dict["counts"].items()}
+        self._started = {tuple(key): int(n) for key, n in state_dict.get("started", state_dict["counts"]).items()}
         self._generator.set_state(state_dict["generator"])
 
     def summary(self) -> dict[str, float]:

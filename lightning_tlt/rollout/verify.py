@@ -24,8 +24,18 @@ Deterministic drafts (the suffix drafter, or an argmax drafter) are the special 
 At temperature 0 ``p`` is one-hot, so the same code accepts iff ``draft == argmax`` and the
 correction is the argmax: greedy stays greedy.
 
-Everything here is vectorised over rows, never syncs with the host, and draws all its randomness
-from an explicit ``torch.Generator``.
+A draft distribution that is not finite (a drafter with NaN or infinite weights, a diverged
+co-trained drafter) proposes nothing: from its first non-finite position on, a row's drafts count
+as "no draft", so they are rejected and the emitted token is sampled from ``p`` itself. Speculation
+can cost speed, never the distribution.
+
+A drafter may draft over a *draft vocabulary* (EAGLE-3's reduced head: the ``Vd`` most frequent
+tokens): ``q`` is then ``(B, k, Vd)`` over the target ids ``draft_vocab`` and 0 on every other
+token, which the formulas above handle as they are.
+
+Everything here is vectorised over rows, never syncs with the host, and draws its randomness from
+an explicit ``torch.Generator``, or from noise drawn beforehand (``uniforms``, ``noise``), which is
+how a compiled step takes it.
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_tlt.core.sampling import sample
+from lightning_tlt.core.sampling import exponential_noise, sample_with_noise
 
 
 @dataclass
@@ -72,7 +82,8 @@ def acceptance_probs(p: Tensor, q: Tensor) -> Tensor:
         Acceptance probabilities in ``[0, 1]``, same shape and dtype as ``p``.
     """
     ratio = (p / q.clamp_min(torch.finfo(q.dtype).tiny)).clamp_max(1.0)
-    return torch.where(q > 0, ratio, (p > 0).to(p.dtype))
+    accept = torch.where(q > 0, ratio, (p > 0).to(p.dtype))
+    return torch.where(torch.isfinite(q), accept, torch.zeros_like(accept))  # a NaN/inf draft: never accepted
 
 
 def residual_probs(p: Tensor, q: Tensor) -> Tensor:
@@ -102,6 +113,10 @@ def verify_chain(
     generator: torch.Generator | None = None,
     *,
     pad_token_id: int = 0,
+    draft_vocab: Tensor | None = None,
+    draft_index: Tensor | None = None,
+    uniforms: Tensor | None = None,
+    noise: Tensor | None = None,
 ) -> VerifyResult:
     """Verify a chain of drafted tokens per row by speculative rejection sampling.
 
@@ -115,14 +130,22 @@ def verify_chain(
     Args:
         draft_tokens: ``(B, k)`` long drafted tokens (any id in ``[0, V)`` at positions past the row's
             length, e.g. 0).
-        draft_probs: ``(B, k, V)`` the drafter's processed distributions the drafts were sampled from,
-            or ``None`` for deterministic drafts (``q`` one-hot at the drafted token).
+        draft_probs: ``(B, k, V)`` (or ``(B, k, Vd)`` with ``draft_vocab``) the drafter's processed
+            distributions the drafts were sampled from, or ``None`` for deterministic drafts (``q``
+            one-hot at the drafted token). Rows whose distribution at a position is not finite
+            propose nothing from that position on.
         target_probs: ``(B, k + 1, V)`` the target's processed distributions (same temperature,
             top-k and top-p as the drafter's).
         draft_lens: ``(B,)`` long number of valid drafts per row, in ``[0, k]``; ``None`` means k.
         generator: source of all randomness (uniforms for acceptance, exponentials for the
             correction sample); on the tensors' device.
         pad_token_id: value written in ``tokens`` after each row's emitted tokens.
+        draft_vocab: ``(Vd,)`` long target ids of ``draft_probs``' columns (a draft vocabulary), or
+            ``None`` when ``draft_probs`` spans the whole vocabulary.
+        draft_index: ``(B, k)`` long column of each drafted token in ``draft_probs`` (needed with
+            ``draft_vocab``).
+        uniforms: ``(B, k)`` uniform draws for the acceptance tests (``None``: from ``generator``).
+        noise: ``(B, V)`` ``Exp(1)`` draws for the correction sample (``None``: from ``generator``).
 
     Returns:
         A `VerifyResult`.
@@ -133,44 +156,57 @@ def verify_chain(
             f"target_probs must have shape (B, k + 1, V) = ({bsz}, {k + 1}, V), got {tuple(target_probs.shape)}"
         )
     vocab = target_probs.shape[-1]
-    if draft_probs is not None and draft_probs.shape != (bsz, k, vocab):
+    width = vocab if draft_vocab is None else draft_vocab.shape[0]
+    if draft_probs is not None and draft_probs.shape != (bsz, k, width):
         raise ValueError(
-            f"draft_probs must have shape (B, k, V) = ({bsz}, {k}, {vocab}) or be None, "
+            f"draft_probs must have shape (B, k, V) = ({bsz}, {k}, {width}) or be None, "
             f"got {tuple(draft_probs.shape)}"
         )
+    if draft_vocab is not None and (draft_index is None or draft_index.shape != (bsz, k)):
+        raise ValueError("draft_vocab needs draft_index, the (B, k) column of each drafted token in draft_probs")
     device = target_probs.device
     positions = torch.arange(k + 1, device=device)  # (k+1,)
     if draft_lens is None:
         valid = torch.ones(bsz, k, dtype=torch.bool, device=device)
     else:
         valid = positions[:k].unsqueeze(0) < draft_lens.unsqueeze(1)  # (B, k)
+    if draft_probs is not None:  # a non-finite distribution proposes nothing, from there on
+        finite = torch.isfinite(draft_probs).all(-1)  # (B, k)
+        valid = valid & finite.long().cumprod(dim=1).bool()
+    lens = valid.long().sum(dim=1)  # (B,) valid drafts (a prefix of each row)
 
     # acceptance of each drafted token, then the first rejection per row
     p_draft = target_probs[:, :k].gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (B, k)
     if draft_probs is None:
         q_draft = torch.ones_like(p_draft)
     else:
-        q_draft = draft_probs.gather(-1, draft_tokens.unsqueeze(-1)).squeeze(-1)  # (B, k)
+        column = draft_tokens if draft_vocab is None else draft_index
+        assert column is not None
+        q_draft = draft_probs.gather(-1, column.unsqueeze(-1)).squeeze(-1)  # (B, k)
     accept_p = acceptance_probs(p_draft, q_draft)
-    uniforms = torch.rand(bsz, k, generator=generator, device=device, dtype=accept_p.dtype)
+    if uniforms is None:
+        uniforms = torch.rand(bsz, k, generator=generator, device=device, dtype=accept_p.dtype)
     accepted = (uniforms < accept_p) & valid  # (B, k)
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # (B,)
 
     # the correction (residual after a rejected draft) or bonus (plain p) token at position n
     row = torch.arange(bsz, device=device)
     p_n = target_probs[row, num_accepted]  # (B, V)
-    n_is_draft = num_accepted < k
-    if draft_lens is not None:
-        n_is_draft = n_is_draft & (num_accepted < draft_lens)
+    n_is_draft = num_accepted < lens
     n_clamped = num_accepted.clamp_max(k - 1) if k > 0 else num_accepted
     if k == 0:
         q_n = torch.zeros_like(p_n)
     elif draft_probs is None:
         q_n = torch.nn.functional.one_hot(draft_tokens[row, n_clamped], vocab).to(p_n.dtype)
-    else:
+    elif draft_vocab is None:
         q_n = draft_probs[row, n_clamped].to(p_n.dtype)  # (B, V)
-    q_n = q_n * n_is_draft.unsqueeze(-1).to(p_n.dtype)  # "no draft" there: residual = p
-    correction = sample(residual_probs(p_n, q_n), generator)  # (B,)
+    else:
+        q_n = p_n.new_zeros(bsz, vocab).index_copy(1, draft_vocab, draft_probs[row, n_clamped].to(p_n.dtype))
+    # "no draft" there (none proposed, or a non-finite one): residual = p (and no NaN reaches it)
+    q_n = torch.where(n_is_draft.unsqueeze(-1), q_n, torch.zeros_like(q_n))
+    if noise is None:
+        noise = exponential_noise((bsz, vocab), generator, device)
+    correction = sample_with_noise(residual_probs(p_n, q_n), noise)  # (B,)
 
     # assemble emitted tokens and their log-probabilities under the target
     at_n = positions.unsqueeze(0) == num_accepted.unsqueeze(1)  # (B, k+1)

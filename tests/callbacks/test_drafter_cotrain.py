@@ -346,7 +346,8 @@ def test_trainer_harvests_trains_in_stalls_publishes_and_logs(tmp_path: Path) ->
 def test_suffix_drafter_speculates_until_the_eagle_drafter_beats_it(tmp_path: Path, margin: float) -> None:
     """TLT's cold start: the model-free drafter speculates first; the EAGLE drafter takes over only
     once its held-out expected acceptance length beats the engine's measured one (plus the margin)."""
-    module, data = make(speculative=SpeculativeConfig(method="suffix", threshold=8, hysteresis_steps=1))
+    spec = SpeculativeConfig(method="suffix", threshold=8, hysteresis_steps=1, plain_arm=False)  # always speculate
+    module, data = make(speculative=spec)
     cb = callback()
     cb.config.handoff_margin = margin
     trainer(tmp_path, 3, [cb], enable_checkpointing=False).fit(module, datamodule=data)

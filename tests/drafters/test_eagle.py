@@ -179,21 +179,25 @@ def test_forward_matches_runner_cached_decoder_layer(tiny_qwen2: torch.nn.Module
     cache_len = start + seq
     k_cache = torch.zeros(bsz, cache_len, drafter.num_kv_heads, drafter.head_dim)
     v_cache = torch.zeros_like(k_cache)
-    # the cache holds nothing before ``start``: mask those keys out, then feed rows one at a time
-    outs = []
-    for t in range(seq):
-        x = drafter.input_hidden(feats[:, t : t + 1], ids[:, t : t + 1])
-        p = pos[:, t : t + 1]
-        cos, sin = rope_cos_sin(p, drafter.inv_freq, drafter.rope_scaling, x.dtype)
-        keys = torch.arange(cache_len)
-        mask = (keys >= start) & (keys <= p[:, :, None])  # (B, 1, T)
-        outs.append(
-            decoder_layer(
-                drafter.layers[0], x, cos, sin, p, k_cache, v_cache, mask,
-                num_heads=drafter.num_heads, num_kv_heads=drafter.num_kv_heads, head_dim=drafter.head_dim,
-            )
-        )  # fmt: skip
-    torch.testing.assert_close(torch.cat(outs, 1), want, atol=1e-5, rtol=1e-5)
+    # the cache holds nothing before ``start``: a hole hides those keys; rows fed one at a time,
+    # through both attention backends (the Triton kernel runs in Triton's CPU interpreter)
+    hole = torch.tensor([[0, start]] * bsz)
+    for backend in ("sdpa", "triton"):
+        k_cache.zero_()
+        v_cache.zero_()
+        outs = []
+        for t in range(seq):
+            x = drafter.input_hidden(feats[:, t : t + 1], ids[:, t : t + 1])
+            p = pos[:, t : t + 1]
+            cos, sin = rope_cos_sin(p, drafter.inv_freq, drafter.rope_scaling, x.dtype)
+            outs.append(
+                decoder_layer(
+                    drafter.layers[0], x, cos, sin, p, k_cache, v_cache,
+                    num_heads=drafter.num_heads, num_kv_heads=drafter.num_kv_heads, head_dim=drafter.head_dim,
+                    attention=backend, hole=hole,
+                )
+            )  # fmt: skip
+        torch.testing.assert_close(torch.cat(outs, 1), want, atol=1e-5, rtol=1e-5)
 
 
 def _layout(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -143,7 +143,7 @@ def test_tuner_chooses_among_candidates(tiny_qwen2: PreTrainedModel) -> None:
     plain = RolloutEngine(tiny_qwen2, max_seq_len=48, max_batch_size=4).generate(PROMPTS[:2], cfg, num_samples=2)
     assert out.completion_ids == plain.completion_ids
     arms = {key for key in out.stats if key.startswith("tuner/")}
-    assert {key.split("_")[1] for key in arms} == {"k2", "k4"}  # both arms measured (epsilon 0.5)
+    assert {key.split("_")[1] for key in arms} == {"k0", "k2", "k4"}  # every arm measured, plain included
     tuner = engine.tuner
     state = tuner.state_dict()
     engine.drafter = EagleDrafter.from_target(tiny_qwen2).inference_copy()  # new buffers, same tuner

@@ -1,0 +1,411 @@
+"""The speculative step: draft ``k`` tokens per row, verify ``k + 1`` in one forward, lossless.
+
+TLT's adaptive speculative decoding (arXiv 2511.16665, §4) as one component with an explicit
+interface: the engine hands it a `StepContext` (the slot state, the KV cache, the compiled policy
+forward, the graph cache, the generator) and the drafter; it launches the step's device work and
+never reaches into the engine. The engine loop stays the one orchestrator (admission, the gate and
+the tuner's choice of ``k``, harvesting finished rows).
+
+1. **Draft.**
+   - An `EagleDrafter` runs on the device, inside the step's CUDA graph: it first *catches up* on
+     the rows the last verify appended (true features and tokens; only the ``k_prev + 1`` rows that
+     step could have produced), then chains ``k - 1`` more draft steps over its own predicted
+     features (the alignment of `lightning_tlt.drafters.eagle`: row t gets feature h_t, the
+     embedding of token t+1 and position t). RoPE tables of the whole chain are computed once.
+     Each draft token comes from the policy's LM-head rows of the *draft vocabulary*
+     (`DraftVocabulary`: EAGLE-3's reduced head, the most frequent tokens of the policy's own
+     rollouts), so a drafted token costs a small fraction of a policy step at a large vocabulary.
+     The drafter's history lives in its own one-layer KV cache (see
+     `lightning_tlt.rollout.slot_state`): the prompt, run through it at prefill, then the rows
+     drafted since the row's speculation last (re)started.
+   - A host drafter (`SuffixDrafter`, or anything with ``draft(contexts, k, sampling, generator,
+     device) -> DraftProposal``) proposes from each row's tokens, which this component mirrors on
+     the host, one step's new tokens at a time (the host work per step does not grow with the
+     rollout).
+2. **Verify.** The policy runs ``[pending token, d_0 .. d_{k-1}]`` at positions ``L .. L + k`` of
+   each row in one forward, and `lightning_tlt.rollout.verify.verify_chain` accepts per row by
+   rejection sampling (Leviathan et al. 2023; Chen et al. 2023): every emitted token is distributed
+   exactly as plain sampling from the policy, greedy stays greedy, and a non-finite draft is a
+   rejection. Rows advance by the tokens they accepted plus one (clipped at a stop token or
+   ``max_new_tokens``); the KV written for rejected drafts lies past the row's new length and is
+   overwritten before it is ever read.
+
+The EAGLE path needs no host read at all (the engine reads finish flags and emitted counts one
+step late, as for plain decoding); a host drafter needs the new tokens before it can draft again,
+so its steps read them back (a few integers a row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_tlt.core.kv_cache import KVCache
+from lightning_tlt.core.runner import rope_cos_sin
+from lightning_tlt.core.sampling import exponential_noise
+from lightning_tlt.drafters.base import DraftProposal
+from lightning_tlt.drafters.eagle import EagleDrafter
+from lightning_tlt.drafters.suffix import SuffixDrafter
+from lightning_tlt.rollout.cuda_graphs import CUDAGraphProfileCache, GraphProfile
+from lightning_tlt.rollout.scheduler import Request
+from lightning_tlt.rollout.slot_state import SlotState
+from lightning_tlt.rollout.steps import SamplingKey, draft_sample, verify_update
+
+ForwardFn = Callable[..., tuple[Tensor, Tensor]]
+"""``(tokens (B, q), positions (B, q), k_cache, v_cache, capture_layers, kv_len) -> (logits, features)``."""
+
+
+@dataclass
+class StepContext:
+    """What a step runs on, handed in by the engine (nothing else of the engine is read)."""
+
+    state: SlotState
+    cache: KVCache
+    forward: ForwardFn
+    graphs: CUDAGraphProfileCache
+    run: Callable[[GraphProfile, Callable[[], None]], None]
+    """Replays a profile's graph (capturing ``fn`` on a miss): the engine's ``_run_step``."""
+    generator: torch.Generator
+    capture_layers: tuple[int, ...]
+    attention: str
+    """The resolved cached-attention backend ("triton" or "sdpa"), also used by the drafter's layer."""
+
+
+class DraftVocabulary:
+    """The draft vocabulary: the ``size`` most frequent tokens of the policy's own rollouts.
+
+    EAGLE-3's ``d2t`` map: the drafter's head is the policy's LM head restricted to these rows, so
+    a draft step costs ``size / V`` of a full head. Before any rollout is counted it is the first
+    ``size`` ids (the kit's tokenizer uses the first ids of a large vocabulary). Verification stays
+    exact: tokens outside it have draft probability 0.
+
+    Args:
+        size: rows of the draft head; ``None`` or ``>= vocab_size``: the whole vocabulary.
+        vocab_size: the policy's vocabulary.
+    """
+
+    def __init__(self, size: int | None, vocab_size: int) -> None:
+        if size is not None and size < 1:
+            raise ValueError(f"draft vocabulary size must be >= 1 or None, got {size!r}")
+        self.vocab_size = vocab_size
+        self.size = vocab_size if size is None else min(size, vocab_size)
+        self.counts = torch.zeros(vocab_size, dtype=torch.long)
+
+    @property
+    def full(self) -> bool:
+        return self.size >= self.vocab_size
+
+    def observe(self, completions: Sequence[Sequence[int]]) -> None:
+        """Count the tokens of finished rollouts."""
+        flat = [t for c in completions for t in c]
+        if flat:
+            self.counts += torch.bincount(torch.tensor(flat, dtype=torch.long), minlength=self.vocab_size)
+
+    def ids(self) -> Tensor:
+        """``(size,)`` long token ids: most frequent first, ties (and never-seen tokens) by id."""
+        order = torch.argsort(-self.counts, stable=True)  # count descending, id ascending within ties
+        return order[: self.size].sort().values
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"size": self.size, "counts": self.counts.clone()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if int(state_dict["size"]) != self.size or state_dict["counts"].shape != self.counts.shape:
+            raise ValueError(
+                f"draft vocabulary state is for size {state_dict['size']} over {state_dict['counts'].shape[0]} "
+                f"tokens, this one has {self.size} over {self.vocab_size}"
+            )
+        self.counts = state_dict["counts"].clone().long()
+
+
+class SpeculativeStep:
+    """Launches speculative steps (draft, verify, state update) for an engine; see the module docstring.
+
+    Args:
+        max_draft_tokens: the largest ``k`` (the state's buffers are sized for it).
+        vocab: the draft vocabulary (shared with the engine, which counts rollouts into it).
+        compile: ``torch.compile(fullgraph=True)`` the step's device functions.
+    """
+
+    def __init__(self, max_draft_tokens: int, vocab: DraftVocabulary, *, compile: bool) -> None:
+        self.max_k = max_draft_tokens
+        self.vocab = vocab
+        self._verify_update = verify_update
+        self._draft_sample = draft_sample
+        self._drafter_rows = drafter_rows
+        if compile:
+            self._verify_update = torch.compile(verify_update, fullgraph=True)
+            self._draft_sample = torch.compile(draft_sample, fullgraph=True)
+            self._drafter_rows = torch.compile(drafter_rows, fullgraph=True)
+        self._head: tuple[Tensor, Tensor | None, Tensor | None] | None = None  # (rows, bias, ids)
+        self._host_probs: Tensor | None = None  # (R, K, V) a host drafter's distributions
+        self._contexts: dict[int, list[int]] = {}  # request index -> prompt + completion (host drafters)
+        self._k_prev = 0  # k of the last step, 0 after a plain step: the catch-up block's width - 1
+        self._call = 0
+
+    # ------------------------------------------------------------------ per generate call
+    def begin(self, lm_head: Any) -> None:
+        """Start of a ``generate`` call: fresh mirrors; the draft head refreshed from the policy's."""
+        self._contexts.clear()
+        self._k_prev = 0
+        self._call += 1
+        weight = lm_head.weight.detach()
+        bias = getattr(lm_head, "bias", None)
+        bias = None if bias is None else bias.detach()
+        if self.vocab.full:
+            self._head = (weight, bias, None)
+            return
+        ids = self.vocab.ids().to(weight.device)
+        if self._head is None or self._head[2] is None or self._head[0].shape != (ids.numel(), weight.shape[1]):
+            # static buffers: graphs captured on them stay valid, the contents follow the policy
+            rows = torch.empty(ids.numel(), weight.shape[1], device=weight.device, dtype=weight.dtype)
+            self._head = (rows, None if bias is None else torch.empty_like(bias[: ids.numel()]), torch.empty_like(ids))
+        rows, bias_rows, id_buf = self._head
+        assert id_buf is not None
+        id_buf.copy_(ids)
+        rows.copy_(weight[ids])
+        if bias_rows is not None and bias is not None:
+            bias_rows.copy_(bias[ids])
+
+    def plain_step(self) -> None:
+        """A plain decode step ran: the catch-up blocks and host mirrors are out of date."""
+        self._k_prev = 0
+
+    def finished(self, requests: Sequence[Request], drafter: Any) -> None:
+        """Rows ended: a suffix drafter remembers their rollouts for their siblings."""
+        for r in requests:
+            self._contexts.pop(r.index, None)
+            if isinstance(drafter, SuffixDrafter):
+                drafter.finish_row(r.prompt, (self._call, r.index))
+
+    # ------------------------------------------------------------------ prefill
+    def prefill_drafter(
+        self, ctx: StepContext, drafter: EagleDrafter, features: Tensor, next_tokens: Tensor, lengths: Tensor
+    ) -> KVCache:
+        """Run the drafter over prompt rows (its history starts at the row's own prefill).
+
+        Args:
+            features: ``(Bp, P, F)`` the policy's features at positions ``0..P-1`` of each prefilled prefix.
+            next_tokens: ``(Bp, P)`` the token after each of those positions (``x_{t+1}``).
+            lengths: ``(Bp,)`` real rows of each prefix.
+
+        Returns:
+            A scratch one-layer cache ``(Bp, P, n_kv, hd)`` to copy into the rows' slots.
+        """
+        bsz, width = next_tokens.shape
+        scratch = KVCache.allocate(1, bsz, width, drafter.num_kv_heads, drafter.head_dim,
+                                   device=features.device, dtype=drafter.fc.weight.dtype)
+        positions = torch.arange(width, device=features.device)[None].expand(bsz, width)
+        x = drafter.input_hidden(features.to(drafter.fc.weight.dtype), next_tokens)
+        drafter.layer_forward(x, positions, scratch.k[0], scratch.v[0], prefill=True)
+        return scratch
+
+    # ------------------------------------------------------------------ the step
+    def run(
+        self,
+        ctx: StepContext,
+        active: Sequence[Request],
+        batch: int,
+        k: int,
+        sampling: SamplingKey,
+        drafter: Any,
+        drafter_handle: int,
+        kv_len: int | None,
+    ) -> list[list[int]] | None:
+        """Launch one speculative step over the ``len(active)`` active rows (padded to ``batch``).
+
+        Returns:
+            ``None`` for a device drafter (nothing was read back); for a host drafter, each active
+            row's tokens appended by this step (read back: the next draft needs them).
+        """
+        st = ctx.state
+        assert st.spec is not None
+        width = self._k_prev + 1
+        if isinstance(drafter, EagleDrafter):
+            self._check_features(st, drafter)
+            st.ensure_drafter_cache(drafter.num_kv_heads, drafter.head_dim, ctx.cache.max_seq_len,
+                                    drafter.fc.weight.dtype)
+            profile = GraphProfile("spec", batch, k + 1, (sampling, drafter_handle, kv_len, width))
+            ctx.run(profile, lambda: self._eagle_step(ctx, batch, k, width, sampling, drafter, kv_len))
+            self._k_prev = k
+            return None
+        with_probs = self._draft_host(ctx, active, k, sampling, drafter)
+        profile = GraphProfile("verify", batch, k + 1, (sampling, with_probs, kv_len))
+        probs = self._host_probs if with_probs else None
+        ctx.run(profile, lambda: self._verify(ctx, batch, k, sampling, probs, None, kv_len))
+        self._k_prev = k
+        return self._read_back(st, active, k)
+
+    def _check_features(self, st: SlotState, drafter: EagleDrafter) -> None:
+        width = st.hidden.shape[1]
+        expected = drafter.config.hidden_size * (len(drafter.feature_layers) if drafter.feature_layers else 1)
+        if width != expected:
+            raise ValueError(
+                f"the drafter reads {expected}-wide features (feature_layers={drafter.feature_layers!r}) but the "
+                f"engine keeps {width}-wide ones: replace engine.drafter between generate calls, not during one"
+            )
+
+    # ------------------------------------------------------------------ EAGLE (device) drafting
+    def _eagle_step(
+        self, ctx: StepContext, batch: int, k: int, width: int, sampling: SamplingKey, drafter: EagleDrafter,
+        kv_len: int | None,
+    ) -> None:
+        """Catch up, chain k drafts, verify: one graph-capturable step, in place on the static state."""
+        st, gen = ctx.state, ctx.generator
+        spec = st.spec
+        assert spec is not None and spec.dcache is not None and self._head is not None
+        head, bias, ids = self._head
+        vd = head.shape[0]
+        noise = None if sampling.greedy else exponential_noise((k, batch, vd), gen, head.device)
+        # rows whose last step was plain (or new rows): one true row, the newest feature + pending token;
+        # after a plain step (width 1) no row's catch-up block is current
+        fresh = spec.cu_fresh[:batch] if width > 1 else torch.zeros_like(spec.cu_fresh[:batch])
+        pending = st.positions[:batch]
+        base = torch.where(fresh, spec.cu_base[:batch], (pending - 1).clamp_min(0))
+        valid = torch.where(fresh, spec.cu_valid[:batch], torch.ones_like(base))
+        feats = torch.where(fresh[:, None, None], spec.cu_feat[:batch, :width],
+                            _first_row(st.hidden[:batch], width))  # (B, W, F)
+        toks = torch.where(fresh[:, None], spec.cu_tok[:batch, :width], _first_row(st.tokens[:batch], width))
+        spec.draft_start[:batch] = torch.where(fresh, spec.draft_start[:batch], base)
+        lo = spec.prefix_end[:batch] + 1
+        hole = torch.stack([lo, torch.maximum(spec.draft_start[:batch], lo)], dim=1)  # (B, 2)
+        # positions and RoPE of the whole chain, once: the catch-up block, then k - 1 chained rows
+        steps = torch.arange(width + k - 1, device=base.device)
+        chain_pos = base[:, None] + steps[None]  # catch-up rows at base + 0..W-1
+        chain_pos[:, width:] = (base + valid - 1)[:, None] + steps[None, 1:k]
+        cos, sin = rope_cos_sin(chain_pos, drafter.inv_freq, drafter.rope_scaling, drafter.fc.weight.dtype)
+        dk, dv = spec.dcache.k[0], spec.dcache.v[0]
+        pred = self._drafter_rows(drafter, feats, toks, chain_pos[:, :width], dk, dv, hole,
+                                  cos[:, :width], sin[:, :width], ctx.attention)  # (B, W, H)
+        rows = torch.arange(batch, device=base.device)
+        feature = pred[rows, valid - 1]  # (B, H): the predicted feature of the pending token's position
+        token = st.tokens[:batch]
+        probs, indices, tokens = [], [], []
+        for j in range(k):
+            if j > 0:
+                p = width + j - 1
+                feature = self._drafter_rows(drafter, feature[:, None], token[:, None], chain_pos[:, p : p + 1],
+                                             dk, dv, hole, cos[:, p : p + 1], sin[:, p : p + 1], ctx.attention)[:, 0]
+            index, q = self._draft_sample(feature, head, bias, None if noise is None else noise[j], sampling)
+            token = index if ids is None else ids[index]
+            probs.append(q)
+            indices.append(index)
+            tokens.append(token)
+        spec.draft_index[:batch, :k] = torch.stack(indices, 1)
+        spec.draft_tokens[:batch, :k] = torch.stack(tokens, 1)
+        spec.draft_lens[:batch] = k
+        self._verify(ctx, batch, k, sampling, torch.stack(probs, 1), ids, kv_len)
+
+    # ------------------------------------------------------------------ verification
+    def _verify(
+        self, ctx: StepContext, batch: int, k: int, sampling: SamplingKey, probs: Tensor | None,
+        draft_vocab: Tensor | None, kv_len: int | None,
+    ) -> None:
+        """The policy's forward over k + 1 tokens a row, then `verify_update` (graph-capturable)."""
+        st, cache, gen = ctx.state, ctx.cache, ctx.generator
+        spec = st.spec
+        assert spec is not None
+        pos = st.positions[:batch]
+        inputs = torch.cat([st.tokens[:batch, None], spec.draft_tokens[:batch, :k]], dim=1)  # (B, k+1)
+        offsets = torch.arange(k + 1, device=pos.device)
+        logits, hidden = ctx.forward(inputs, pos[:, None] + offsets[None], cache.k, cache.v, ctx.capture_layers,
+                                     kv_len)
+        uniforms = noise = None
+        if not sampling.greedy:
+            uniforms = torch.rand(batch, k, generator=gen, device=pos.device)
+            noise = exponential_noise((batch, logits.shape[-1]), gen, pos.device)
+        if probs is not None:
+            probs = probs[:batch, :k]
+        self._verify_update(st, batch, k, logits, hidden, probs, uniforms, noise, sampling, draft_vocab)
+
+    # ------------------------------------------------------------------ host drafting
+    def _draft_host(
+        self, ctx: StepContext, active: Sequence[Request], k: int, sampling: SamplingKey, drafter: Any
+    ) -> bool:
+        """Drafts of a host-side drafter into the static buffers; returns whether they came with probabilities."""
+        st = ctx.state
+        spec = st.spec
+        assert spec is not None
+        n = len(active)
+        missing = [i for i, r in enumerate(active) if r.index not in self._contexts]
+        if missing:  # rows that start speculating: their tokens so far, read once
+            self._sync_contexts(st, active, missing)
+        contexts = [self._contexts[r.index] for r in active]
+        device = spec.draft_tokens.device
+        if isinstance(drafter, SuffixDrafter):
+            drafts = drafter.propose_batch(
+                contexts, k, groups=[r.prompt for r in active],
+                row_ids=[(self._call, r.index) for r in active], prompt_lens=[len(r.prompt) for r in active],
+            )  # fmt: skip
+            proposal = DraftProposal.from_lists(drafts, k, device=device)
+        else:
+            from lightning_tlt.core.types import SamplingConfig
+
+            config = SamplingConfig(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+            proposal = drafter.draft(contexts, k, config, ctx.generator, device)
+            if proposal.num_draft_tokens != k or proposal.tokens.shape[0] != n:
+                raise ValueError(f"drafter.draft must return ({n}, {k}) drafts, got {tuple(proposal.tokens.shape)}")
+        spec.draft_tokens[:n, :k] = proposal.tokens
+        spec.draft_lens[:n] = proposal.lens
+        spec.draft_lens[n:] = 0
+        if proposal.probs is None:
+            return False
+        vocab = proposal.probs.shape[-1]
+        if self._host_probs is None or self._host_probs.shape[1:] != (self.max_k, vocab):
+            self._host_probs = torch.zeros(st.num_slots, self.max_k, vocab, device=device)
+        self._host_probs[:n, :k] = proposal.probs
+        return True
+
+    def _sync_contexts(self, st: SlotState, active: Sequence[Request], rows: list[int]) -> None:
+        idx = torch.tensor(rows, device=st.tokens.device)
+        counts = st.num_generated[idx].tolist()
+        longest = max(counts) if counts else 0
+        tokens = st.out_tokens[idx, :longest].tolist() if longest else [[] for _ in rows]
+        for i, c, row in zip(rows, counts, tokens):
+            self._contexts[active[i].index] = list(active[i].prompt) + row[:c]
+
+    def _read_back(self, st: SlotState, active: Sequence[Request], k: int) -> list[list[int]]:
+        """The tokens each active row appended in the step just launched (one small read)."""
+        spec = st.spec
+        assert spec is not None
+        n = len(active)
+        emitted = spec.emitted[:n]
+        start = (st.num_generated[:n] - emitted)[:, None] + torch.arange(k + 1, device=emitted.device)[None]
+        new = st.out_tokens[:n].gather(1, start.clamp_max(st.out_tokens.shape[1] - 1))
+        host = torch.cat([emitted[:, None], new], dim=1).tolist()
+        out = []
+        for r, row in zip(active, host):
+            tokens = row[1 : 1 + row[0]]
+            self._contexts[r.index].extend(tokens)
+            out.append(tokens)
+        return out
+
+
+def drafter_rows(
+    drafter: EagleDrafter,
+    feats: Tensor,
+    tokens: Tensor,
+    positions: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    hole: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    attention: str,
+) -> Tensor:
+    """The drafter's layer over ``(B, q)`` rows against its cache (catch-up block or one chained row)."""
+    x = drafter.input_hidden(feats.to(drafter.fc.weight.dtype), tokens)
+    return drafter.layer_forward(x, positions, k_cache, v_cache, prefill=False, attention=attention, hole=hole,
+                                 rope=(cos, sin))
+
+
+def _first_row(x: Tensor, width: int) -> Tensor:
+    """``x`` (``(B, ...)``) as row 0 of a ``(B, width, ...)`` block of zeros."""
+    out = x.new_zeros((x.shape[0], width, *x.shape[1:]))
+    out[:, 0] = x
+    return out
+

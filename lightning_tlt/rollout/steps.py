@@ -1,0 +1,178 @@
+"""The device work of one engine step, as functions ``torch.compile`` fuses and a CUDA graph replays.
+
+Each function reads and writes only static buffers (`lightning_tlt.rollout.slot_state.SlotState`)
+and tensors handed in, never syncs with the host, and takes its randomness as noise drawn
+beforehand (``torch.compile`` cannot trace an explicit ``torch.Generator``; the engine draws the
+noise in the same captured graph). The policy's forward is compiled on its own (once for all
+steps); these are the rest of a step:
+
+- `decode_update`: the head's sampling (temperature, top-k, top-p, the exponential race, the
+  logprob) and the state update of a plain decode step;
+- `verify_update`: the target's processed distributions, `verify_chain`, the state update
+  (stop tokens, length caps), the EAGLE catch-up block and the speculation counters;
+- `draft_sample`: one EAGLE draft token per row from a predicted feature, over the draft
+  vocabulary's head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_tlt.core.sampling import processed_probs, sample_with_noise
+from lightning_tlt.rollout.slot_state import SlotState
+from lightning_tlt.rollout.verify import verify_chain
+
+
+@dataclass(frozen=True)
+class SamplingKey:
+    """The sampling settings a compiled step is specialised on (hashable: part of graph keys)."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def sample_tokens(logits: Tensor, sampling: SamplingKey, noise: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(B, V)`` logits -> tokens ``(B,)``, their logprobs ``(B,)`` and the processed probabilities.
+
+    Greedy takes the argmax (logprob 0, the one-hot distribution's).
+    """
+    if sampling.greedy:
+        tokens = logits.argmax(-1)
+        return tokens, torch.zeros(tokens.shape, device=logits.device), logits
+    probs = processed_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    assert noise is not None
+    tokens = sample_with_noise(probs, noise)
+    logp = probs.gather(-1, tokens[:, None]).squeeze(-1).clamp_min(1e-30).log()
+    return tokens, logp, probs
+
+
+def decode_update(
+    st: SlotState, batch: int, logits: Tensor, hidden: Tensor, noise: Tensor | None, sampling: SamplingKey
+) -> None:
+    """Sample the next token of slots ``0..batch-1`` and advance them (in place).
+
+    Args:
+        logits: ``(B, 1, V)`` of the step's forward; ``hidden``: ``(B, 1, F)`` its features.
+        noise: ``(B, V)`` ``Exp(1)`` noise (``None`` when greedy).
+    """
+    tokens, positions = st.tokens[:batch], st.positions[:batch]
+    new, logp, _ = sample_tokens(logits[:, -1], sampling, noise)
+    active = ~st.finished[:batch]
+    st.hidden[:batch] = hidden[:, -1].to(st.hidden.dtype)
+    count = st.num_generated[:batch]
+    sink = st.out_tokens.shape[1] - 1
+    column = torch.where(active, count, torch.full_like(count, sink))[:, None]
+    st.out_tokens[:batch].scatter_(1, column, new[:, None])
+    st.out_logprobs[:batch].scatter_(1, column, logp[:, None].float())
+    count = count + active.long()
+    stop = (new[:, None] == st.stop_ids[None, :]).any(-1)
+    st.finished[:batch] = st.finished[:batch] | (active & (stop | (count >= st.max_new)))
+    st.num_generated[:batch] = count
+    st.tokens[:batch] = torch.where(active, new, tokens)
+    st.positions[:batch] = positions + active.long()
+
+
+def verify_update(
+    st: SlotState,
+    batch: int,
+    k: int,
+    logits: Tensor,
+    hidden: Tensor,
+    draft_probs: Tensor | None,
+    uniforms: Tensor | None,
+    noise: Tensor | None,
+    sampling: SamplingKey,
+    draft_vocab: Tensor | None = None,
+) -> None:
+    """Rejection-sample the drafts of slots ``0..batch-1`` and advance each row by what it accepted.
+
+    Args:
+        logits, hidden: ``(B, k + 1, V)`` and ``(B, k + 1, F)`` of the verify forward over
+            ``[pending token, d_0 .. d_{k-1}]``.
+        draft_probs: ``(B, k, V or Vd)`` the drafts' distributions, ``None`` for deterministic drafts.
+        uniforms, noise: ``(B, k)`` and ``(B, V)`` randomness for `verify_chain` (``None`` when greedy).
+        draft_vocab: ``(Vd,)`` target ids of ``draft_probs``' columns, or ``None``.
+    """
+    spec = st.spec
+    assert spec is not None and st.counters is not None
+    pos = st.positions[:batch]
+    drafts = spec.draft_tokens[:batch, :k]
+    target = processed_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # (B, k+1, V)
+    lens = spec.draft_lens[:batch]
+    result = verify_chain(
+        drafts, draft_probs, target, lens,
+        draft_vocab=draft_vocab, draft_index=None if draft_vocab is None else spec.draft_index[:batch, :k],
+        uniforms=uniforms, noise=noise,
+    )  # fmt: skip
+    active = ~st.finished[:batch]
+    count = st.num_generated[:batch]
+    offsets = torch.arange(k + 1, device=pos.device)
+    toks, logps = result.tokens, result.logprobs  # (B, k+1)
+    emitted = offsets[None] < result.num_emitted[:, None]
+    is_stop = (toks[:, :, None] == st.stop_ids[None, None, :]).any(-1) & emitted
+    first_stop = torch.where(is_stop.any(1), is_stop.long().argmax(1) + 1, result.num_emitted)
+    take = torch.minimum(first_stop, st.max_new - count)
+    take = torch.where(active, take, torch.zeros_like(take))  # (B,)
+    write = offsets[None] < take[:, None]
+    sink = st.out_tokens.shape[1] - 1
+    columns = torch.where(write, count[:, None] + offsets[None], torch.full_like(toks, sink))
+    st.out_tokens[:batch].scatter_(1, columns, toks)
+    st.out_logprobs[:batch].scatter_(1, columns, logps.float())
+    new_count = count + take
+    stopped = (is_stop & write).any(1)
+    st.finished[:batch] = st.finished[:batch] | (active & (stopped | (new_count >= st.max_new)))
+    st.num_generated[:batch] = new_count
+    last = toks.gather(1, (take - 1).clamp_min(0)[:, None])[:, 0]
+    st.tokens[:batch] = torch.where(active, last, st.tokens[:batch])
+    st.positions[:batch] = pos + take
+    rows = torch.arange(batch, device=pos.device)
+    newest = hidden[rows, (take - 1).clamp_min(0)]  # (B, F): the feature that predicted the pending token
+    st.hidden[:batch] = torch.where(active[:, None], newest.to(st.hidden.dtype), st.hidden[:batch])
+    # the EAGLE catch-up block of the next step: true features and the tokens that followed them
+    spec.cu_feat[:batch, : k + 1] = hidden.to(spec.cu_feat.dtype)
+    spec.cu_tok[:batch, : k + 1] = toks
+    spec.cu_base[:batch] = pos
+    spec.cu_valid[:batch] = take.clamp_min(1)
+    spec.cu_fresh[:batch] = active
+    accepted = torch.where(active, result.num_accepted, torch.zeros_like(take))
+    spec.num_accepted[:batch] = accepted
+    spec.emitted[:batch] = take
+    # speculation counters: rows verified, tokens emitted, per position reached / accepted
+    act = active.double()
+    c = st.counters
+    c[0, 0] += act.sum()
+    c[0, 1] += ((accepted + 1).double() * act).sum()
+    c[0, 2] += take.double().sum()
+    pos_k = offsets[:k][None]
+    c[1, :k] += (((accepted[:, None] >= pos_k) & (lens[:, None] > pos_k)).double() * act[:, None]).sum(0)
+    c[2, :k] += ((accepted[:, None] > pos_k).double() * act[:, None]).sum(0)
+
+
+def draft_sample(
+    feature: Tensor, head: Tensor, bias: Tensor | None, noise: Tensor | None, sampling: SamplingKey
+) -> tuple[Tensor, Tensor]:
+    """One draft per row from a predicted feature over the draft vocabulary.
+
+    Args:
+        feature: ``(B, H)`` the drafter's predicted feature.
+        head: ``(Vd, H)`` the policy's LM-head rows of the draft vocabulary (all ``V`` rows without one).
+        bias: ``(Vd,)`` or ``None``.
+        noise: ``(B, Vd)`` ``Exp(1)`` noise, ``None`` when greedy.
+
+    Returns:
+        ``(B,)`` long column in the draft vocabulary and ``(B, Vd)`` float32 the processed
+        distribution it was drawn from (one-hot when greedy).
+    """
+    logits = F.linear(feature, head.to(feature.dtype), None if bias is None else bias.to(feature.dtype))
+    q = processed_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    index = q.argmax(-1) if sampling.greedy or noise is None else sample_with_noise(q, noise)
+    return index, q
