@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_tlt.core.kv_cache import KVCache, kv_bytes_per_slot
+from lightning_tlt.core.prompts import validate_prompts
 from lightning_tlt.core.runner import ModelRunner, is_supported, unwrap_model
 from lightning_tlt.core.sampling import processed_probs, sample, token_logprobs
 from lightning_tlt.core.types import (
@@ -348,24 +349,9 @@ class RolloutEngine:
     ) -> list[tuple[int, ...]]:
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples!r}")
-        if not isinstance(prompts, Sequence) or isinstance(prompts, (str, bytes)):
-            raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
-        vocab = self.vocab_size
-        out = []
-        for i, prompt in enumerate(prompts):
-            ids = tuple(int(t) for t in prompt)
-            if not ids:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt {i} has token id {bad[0]!r} outside the vocabulary [0, {vocab})")
-            if len(ids) + sampling.max_new_tokens > self.max_seq_len:
-                raise ValueError(
-                    f"prompt {i} has {len(ids)} tokens; with max_new_tokens={sampling.max_new_tokens} that is "
-                    f"{len(ids) + sampling.max_new_tokens} > max_seq_len={self.max_seq_len}"
-                )
-            out.append(ids)
-        return out
+        return validate_prompts(
+            prompts, self.vocab_size, max_new_tokens=sampling.max_new_tokens, max_seq_len=self.max_seq_len
+        )
 
     def _stop_ids(self, sampling: SamplingConfig) -> list[int]:
         ids = model_eos_ids(self._model) if sampling.stop_token_ids is None else list(sampling.stop_token_ids)
