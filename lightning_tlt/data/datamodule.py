@@ -107,7 +107,9 @@ class RolloutDataModule(pl.LightningDataModule):
         reward_weights: weight per reward function; ``None`` takes the module's, else 1 each.
         scale_rewards: "group", "batch" or "none"; ``None`` takes the module's.
         on_reward_error: "raise" stops on a reward function error (naming the prompt and completion),
-            "skip" leaves the completions it cannot score out (NaN), never scoring them zero.
+            "skip" leaves the completions it cannot score out (NaN), never scoring them zero. A NaN or
+            infinite reward is such an error (counted in ``rewards/<name>/nonfinite``), and so is a
+            function that returns the wrong number of rewards (for the whole batch).
         seed: seeds the prompt order (reshuffled every epoch) and the sampling generator.
         shuffle: shuffle the prompts each epoch.
         task_size, difficulty, conversational, eval_size: how a zoo task's datasets are built.
@@ -413,7 +415,7 @@ class RolloutDataModule(pl.LightningDataModule):
         def log_extra(column: str, values: list[Any]) -> None:  # TRL's hook: a column of the completions table
             extra_columns[column] = list(values)
 
-        per_func, failures = compute_rewards(
+        per_func, errors, nonfinite = compute_rewards(
             self.reward_funcs, prompts=prompts, completions=completions, completion_ids=out.completion_ids,
             columns=columns, on_error=self.on_reward_error,
             extra_kwargs={"trainer_state": TrainerStateView(step, self._max_steps()), "log_metric": log_metric,
@@ -429,7 +431,7 @@ class RolloutDataModule(pl.LightningDataModule):
         if split == "train":
             self._num_tokens += int(batch.prompt_mask.sum() + batch.completion_mask.sum())
             self._rl_step += 1
-        batch.metrics = _metrics(batch, out, adv_stats, failures, reward_time, self._num_tokens)
+        batch.metrics = _metrics(batch, out, adv_stats, errors, nonfinite, reward_time, self._num_tokens)
         batch.metrics.update({name: sum(v) / len(v) for name, v in logged.items()})
         batch.extra_columns = extra_columns
         return batch
@@ -493,8 +495,8 @@ def _to_batch(
 
 
 def _metrics(
-    batch: RolloutBatch, out: RolloutOutput, adv_stats: dict[str, torch.Tensor], failures: dict[str, int],
-    reward_time: float, num_tokens: int,
+    batch: RolloutBatch, out: RolloutOutput, adv_stats: dict[str, torch.Tensor], errors: dict[str, int],
+    nonfinite: dict[str, int], reward_time: float, num_tokens: int,
 ) -> dict[str, float]:
     """TRL's rollout metrics (names of ``GRPOTrainer``) plus the kit's engine and speculation figures."""
     lengths = batch.completion_mask.sum(1).float()  # (B,)
@@ -516,8 +518,10 @@ def _metrics(
         col = batch.rewards_per_func[:, j]
         m[f"rewards/{name}/mean"] = torch.nanmean(col).item()
         m[f"rewards/{name}/std"] = nanstd(col).item()
-        if name in failures:
-            m[f"rewards/{name}/errors"] = float(failures[name])
+        if name in errors:
+            m[f"rewards/{name}/errors"] = float(errors[name])
+        if name in nonfinite:
+            m[f"rewards/{name}/nonfinite"] = float(nonfinite[name])
     m.update(engine_metrics(out.stats))
     return m
 

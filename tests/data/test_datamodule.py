@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 
 import pytest
@@ -95,12 +96,43 @@ def test_raising_reward_names_the_prompt_and_completion(policy: torch.nn.Module)
     torch.testing.assert_close(batch.rewards[3:], batch.rewards_per_func[3:, 1])
 
 
-def test_wrong_reward_count_is_an_error(policy: torch.nn.Module) -> None:
-    def short(completions, **kw):  # noqa: ANN001, ANN003
-        return [1.0]
+def test_wrong_reward_count_is_one_error_for_the_batch(policy: torch.nn.Module, caplog) -> None:  # noqa: ANN001
+    calls: list[int] = []
 
-    with pytest.raises(RewardFunctionError, match="'short' raised ValueError: reward function 'short' returned 1 rewards, expected 6"):
+    def short(completions, **kw):  # noqa: ANN001, ANN003
+        calls.append(len(completions))
+        return [1.0] * (len(completions) - 1)
+
+    with pytest.raises(RewardFunctionError, match=r"^reward function 'short' returned 5 rewards for 6 completions"):
         make(policy, [short]).rollout([0, 1])
+    assert calls == [6]  # not re-run row by row: the count is the batch's error, not a row's
+
+    calls.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_tlt.data.rewards"):
+        batch = make(policy, [short, length_reward], on_reward_error="skip").rollout([0, 1])
+    assert calls == [6]
+    assert [r.getMessage() for r in caplog.records] == [
+        "reward function 'short' returned 5 rewards for 6 completions (it must return one per completion, "
+        "in order); skipped (all its rewards NaN)"
+    ]
+    assert torch.isnan(batch.rewards_per_func[:, 0]).all() and batch.metrics["rewards/short/errors"] == 6.0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_nonfinite_rewards_follow_the_error_policy(policy: torch.nn.Module, bad: float) -> None:
+    def shaky(prompts, completions, **kw):  # noqa: ANN001, ANN003
+        return [bad if p.startswith("Q1") else 1.0 for p in prompts]
+
+    with pytest.raises(RewardFunctionError, match=rf"^reward function 'shaky' returned {bad!r} on prompt "
+                                                  r"'Q1: 1\+1=\\n' with completion '.*' \(and 2 more completions\)$"):
+        make(policy, [shaky], shuffle=False).rollout([0, 1])
+
+    batch = make(policy, [shaky, length_reward], shuffle=False, on_reward_error="skip").rollout([0, 1])
+    col = batch.rewards_per_func[:, 0]
+    assert (col[:3] == 1.0).all() and torch.isnan(col[3:]).all()  # left out, never a NaN/inf reward
+    assert batch.metrics["rewards/shaky/nonfinite"] == 3.0 and "rewards/shaky/errors" not in batch.metrics
+    assert math.isfinite(batch.metrics["reward"]) and torch.isfinite(batch.advantages).all()
+    torch.testing.assert_close(batch.rewards[3:], batch.rewards_per_func[3:, 1])
 
 
 def test_bad_configuration_errors(policy: torch.nn.Module) -> None:
