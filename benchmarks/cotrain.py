@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "summary": summary,
         "runs": runs,
     }
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / (
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / ("smoke" if args.smoke else "") / (
         f"cotrain_{'smoke' if args.smoke else device}_{dt.date.today():%Y%m%d}.json"
     )  # fmt: skip
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -454,7 +454,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print_table(results)
     if args.plots:
         results["plots"] = plot(results, Path(args.plots))
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"e2e_{'smoke' if args.smoke else device}.json"
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / ("smoke" if args.smoke else "") / (
+        f"e2e_{'smoke' if args.smoke else device}.json")  # smoke runs: a git-ignored folder
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1, default=float))
     print(f"[e2e] wrote {out}")

@@ -229,7 +229,7 @@ def main() -> None:
         use_cuda_graphs=False if args.no_graphs else None, compile=False if args.no_compile else None,
     )
     stamp = dt.datetime.now(dt.timezone.utc)
-    out_path = Path(args.out) if args.out else Path(__file__).parent / "results" / (
+    out_path = Path(args.out) if args.out else Path(__file__).parent / "results" / ("smoke" if args.smoke else "") / (
         f"engine_{card.replace(' ', '_')}_{stamp:%Y%m%d_%H%M}{'_smoke' if args.smoke else ''}.json"
     )
     result: dict[str, Any] = {

@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["cotrain_overhead"] = table["eagle+cotrain"]["wall_s"] / table["eagle"]["wall_s"] - 1.0
     results["graphs"] = {"off": off.graph_stats, "on": on.graph_stats}
     print_table(results)
-    out_path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / (
+    out_path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / ("smoke" if args.smoke else "") / (
         f"speculative_{'smoke' if args.smoke else device}.json")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(results, indent=1, default=float))

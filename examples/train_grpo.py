@@ -37,7 +37,7 @@ def main() -> None:
     args = parser.parse_args()
 
     task = get_task("arithmetic")
-    policy, tokenizer = warm_start("arithmetic", "qwen2", args.size, steps=args.warm_start_steps, progress=False)
+    policy, tokenizer = warm_start("arithmetic", "qwen2", args.size, steps=args.warm_start_steps)
     module = GRPOModule(
         policy,
         GRPOConfig(num_generations=8, max_completion_length=96, learning_rate=2e-4, lr_scheduler_type="constant",

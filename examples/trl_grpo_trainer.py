@@ -29,7 +29,7 @@ def main() -> None:
     args = parser.parse_args()
 
     task = get_task("arithmetic")
-    model, tokenizer = warm_start("arithmetic", "qwen2", "tiny", steps=300, progress=False)
+    model, tokenizer = warm_start("arithmetic", "qwen2", "tiny", steps=300)
     engine = RolloutEngine(
         model, max_batch_size=32, max_seq_len=160, speculative=SpeculativeConfig(method="suffix", threshold=16)
     )

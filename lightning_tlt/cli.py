@@ -1,84 +1,116 @@
-"""The ``lightning-tlt`` command: LightningCLI for RL training, plus the kit's helper subcommands.
+"""The ``lightning-tlt`` command: a small registry of subcommands, each importing what it needs when it runs.
 
-- ``lightning-tlt fit --config configs/demo_cpu.yaml`` (and ``validate``): a LightningCLI over
-  the RL modules (``model: class_path: lightning_tlt.rl.grpo.GRPOModule``, or ``PPOModule``) and
-  `RolloutDataModule` (``data:``); every typed ``__init__`` argument is a YAML key.
-- ``lightning-tlt warmstart ...``: SFT warm start of a zoo policy (``lightning_tlt.models.warmstart``).
-- ``lightning-tlt export-drafter ...``: export a co-trained drafter for vLLM
-  (``lightning_tlt.drafters.export.export_drafter``).
+``lightning-tlt --help`` and an unknown command answer at once (nothing heavy is imported here);
+``fit``/``validate`` import Lightning and the RL modules (`lightning_tlt.trainer_cli`), ``warmstart``
+and ``export-drafter`` their own modules.
+
+A new subcommand is one registered function taking the arguments after its name and returning an
+exit code; import inside it::
+
+    @subcommand("my-command", "one line for lightning-tlt --help")
+    def _my_command(argv: list[str]) -> int:
+        from lightning_tlt.some.module import main
+
+        return main(argv)
 """
 
 from __future__ import annotations
 
-import importlib
 import sys
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
-from lightning.pytorch.cli import LightningCLI
-
-from lightning_tlt.data.datamodule import RolloutDataModule
-from lightning_tlt.rl.common import RLModule
-
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "warmstart": ("lightning_tlt.models.warmstart", "main"),
-    "export-drafter": ("lightning_tlt.drafters.export", "export_drafter"),
-}
-"""Subcommands dispatched before LightningCLI: name -> (module, a ``main(argv)`` or a function to wrap)."""
-
-CLI_SUBCOMMANDS = ("fit", "validate")
-
-TRAINER_DEFAULTS: dict[str, Any] = {
-    "log_every_n_steps": 1,  # one RL step is expensive: log every one, as TRL's logging_steps=1 users do
-    "num_sanity_val_steps": 0,  # a sanity "validation" would be two whole rollouts before training
-    "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs"}},
-}
+Handler = Callable[[list[str]], int]
+"""A subcommand: the arguments after its name in, an exit code out."""
 
 
-class TLTLightningCLI(LightningCLI):
-    """LightningCLI limited to ``fit`` and ``validate``, with CSV logging and per-step logs by default."""
+@dataclass(frozen=True)
+class Subcommand:
+    """One ``lightning-tlt`` subcommand."""
 
-    @staticmethod
-    def subcommands() -> dict[str, set[str]]:
-        return {name: spec for name, spec in LightningCLI.subcommands().items() if name in CLI_SUBCOMMANDS}
+    run: Handler
+    """Called with the arguments after the subcommand's name."""
+    help: str
+    """One line for ``lightning-tlt --help``."""
 
 
-def _run_helper(name: str, argv: list[str]) -> int:
-    module_name, attr = SUBCOMMANDS[name]
-    try:
-        target: Callable[..., Any] = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        print(f"lightning-tlt {name}: not available ({err})", file=sys.stderr)
-        return 2
-    if attr == "main":
-        return int(target(argv) or 0)
-    from jsonargparse import CLI
+SUBCOMMANDS: dict[str, Subcommand] = {}
+"""The registered subcommands by name, in ``--help`` order."""
 
-    result = CLI(target, args=argv, as_positional=False)
-    if result is not None:
-        print(result)
-    return 0
+
+def subcommand(name: str, help: str) -> Callable[[Handler], Handler]:
+    """Register the decorated function as ``lightning-tlt NAME``."""
+
+    def register(fn: Handler) -> Handler:
+        if name in SUBCOMMANDS:
+            raise ValueError(f"lightning-tlt subcommand {name!r} is registered twice")
+        SUBCOMMANDS[name] = Subcommand(fn, help)
+        return fn
+
+    return register
+
+
+@subcommand("fit", "train an RL module from a YAML config (LightningCLI)")
+def _fit(argv: list[str]) -> int:
+    from lightning_tlt.trainer_cli import run
+
+    return run(["fit", *argv])
+
+
+@subcommand("validate", "evaluate a config's policy on its held-out prompts (LightningCLI)")
+def _validate(argv: list[str]) -> int:
+    from lightning_tlt.trainer_cli import run
+
+    return run(["validate", *argv])
+
+
+@subcommand("warmstart", "SFT warm start of a zoo policy on a task, cached on disk")
+def _warmstart(argv: list[str]) -> int:
+    from lightning_tlt.models.warmstart import main
+
+    return main(argv)
+
+
+@subcommand("export-drafter", "write a checkpoint's co-trained drafter as a vLLM EAGLE draft directory")
+def _export_drafter(argv: list[str]) -> int:
+    from lightning_tlt.drafters.export import main
+
+    return main(argv)
+
+
+def usage() -> str:
+    """What ``lightning-tlt --help`` prints."""
+    width = max(map(len, SUBCOMMANDS))
+    lines = [
+        f"usage: lightning-tlt {{{','.join(SUBCOMMANDS)}}} ...",
+        "",
+        "Fast RL training (GRPO, PPO) of reasoning LLMs on PyTorch Lightning, with speculative rollouts.",
+        "",
+        "commands:",
+        *(f"  {name:<{width}}  {sub.help}" for name, sub in SUBCOMMANDS.items()),
+        "",
+        "examples:",
+        "  lightning-tlt fit --config configs/demo_cpu.yaml",
+        "  lightning-tlt fit --config configs/ppo_cpu.yaml --trainer.max_steps 8",
+        "  lightning-tlt warmstart --task arithmetic --size tiny",
+        "  lightning-tlt export-drafter --checkpoint_path RUN.ckpt --out_dir drafter/",
+        "",
+        "`lightning-tlt COMMAND --help` lists a command's options.",
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``lightning-tlt``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in SUBCOMMANDS:
-        return _run_helper(argv[0], argv[1:])
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: lightning-tlt {fit,validate} --config CONFIG.yaml | lightning-tlt {warmstart,export-drafter} ...")
-        print(__doc__)
-        if not argv:
-            return 0
-    TLTLightningCLI(
-        RLModule,
-        RolloutDataModule,
-        subclass_mode_model=True,
-        trainer_defaults=TRAINER_DEFAULTS,
-        args=argv,
-        save_config_kwargs={"overwrite": True},
-    )
-    return 0
+        print(usage())
+        return 0
+    sub = SUBCOMMANDS.get(argv[0])
+    if sub is None:
+        print(f"{usage()}\n\nlightning-tlt: error: unknown command {argv[0]!r}", file=sys.stderr)
+        return 2
+    return sub.run(argv[1:])
 
 
 if __name__ == "__main__":

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import csv
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
+from lightning_tlt import cli
 from lightning_tlt.cli import SUBCOMMANDS, main
+from lightning_tlt.trainer_cli import CPU_CONFIGS
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
@@ -71,14 +77,94 @@ def test_bad_yaml_configuration_is_a_clear_error(tmp_path: Path, capsys: pytest.
 
 
 def test_helper_subcommands_dispatch_before_lightningcli(capsys: pytest.CaptureFixture[str]) -> None:
-    assert set(SUBCOMMANDS) == {"warmstart", "export-drafter"}
+    assert list(SUBCOMMANDS) == ["fit", "validate", "warmstart", "export-drafter"]
     with pytest.raises(SystemExit) as exit_info:
         main(["warmstart", "--help"])
     assert exit_info.value.code == 0
     assert "lightning-tlt warmstart" in capsys.readouterr().out
 
 
-def test_only_fit_and_validate(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        main(["test", "--help"])
-    assert "invalid choice" in capsys.readouterr().err
+def test_help_is_one_plain_usage_block_and_imports_nothing_heavy() -> None:
+    # a fresh interpreter: `lightning-tlt --help` must not pay for importing Lightning or torch
+    code = (
+        "import sys; from lightning_tlt.cli import main; rc = main(['--help']); "
+        "print('HEAVY', sorted(m for m in ('torch', 'lightning', 'transformers') if m in sys.modules)); "
+        "raise SystemExit(rc)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.count("usage:") == 1 and "``" not in out and "LightningCLI's args" not in out
+    assert "HEAVY []" in out
+    for name in SUBCOMMANDS:
+        assert f"\n  {name} " in out
+
+
+def test_unknown_command_is_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["test", "--help"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "lightning-tlt: error: unknown command 'test'"
+
+
+def test_a_subcommand_is_a_registered_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "SUBCOMMANDS", dict(SUBCOMMANDS))
+    seen: list[list[str]] = []
+
+    @cli.subcommand("echo", "repeat the arguments")
+    def _echo(argv: list[str]) -> int:
+        seen.append(argv)
+        return 7
+
+    assert main(["echo", "a", "--b"]) == 7 and seen == [["a", "--b"]]
+    assert "  echo            repeat the arguments" in cli.usage()
+    with pytest.raises(ValueError, match="'echo' is registered twice"):
+        cli.subcommand("echo", "again")(_echo)
+
+
+def test_no_lightningcli_args_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tiny_config(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-tlt", "fit", "--config", str(path), "--print_config"])
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit):
+        warnings.simplefilter("always")
+        main()
+    assert not [w for w in caught if "args parameter" in str(w.message)]
+
+
+def test_gpu_config_without_a_gpu_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    config = str(Path(__file__).parent.parent / "configs" / "grpo_gpu_100m.yaml")
+    assert main(["fit", "--config", config]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (
+        f"lightning-tlt fit: error: no GPU found (torch.cuda.is_available() is False), but {config} asks for one "
+        "(trainer.accelerator=gpu, warm_start_kwargs.device=cuda); on a CPU run configs/demo_cpu.yaml or "
+        "configs/demo_cpu_eagle.yaml or configs/ppo_cpu.yaml"
+    )
+    for cpu_config in CPU_CONFIGS:  # the configs it names exist and run on the CPU
+        assert yaml.safe_load((Path(__file__).parent.parent / cpu_config).read_text())["trainer"]["accelerator"] == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (["--data.dataset", "arithmetik"], "data: unknown task 'arithmetik'; registered tasks: ['arithmetic', 'countdown']"),
+        (["--data.difficulty", "9"], "data: arithmetic: difficulty must be an int in [1, 5], got 9"),
+        (["--model.init_args.policy.size", "huge"],
+         "model.init_args.policy: size must be one of ['tiny', 'small', '100m', '400m'], got 'huge'"),
+        (["--model.init_args.config.max_completion_length", "5000"],
+         "model.init_args.config: max_completion_length=5000 leaves no room for a prompt in the policy's 4096 "
+         "positions (config.max_position_embeddings); max_completion_length must be < 4096"),
+    ],
+)
+def test_bad_names_and_sizes_are_refused_before_the_warm_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, override: list[str],
+    message: str,
+) -> None:
+    def no_warm_start(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the warm start ran before the config was checked")
+
+    monkeypatch.setattr("lightning_tlt.models.warmstart.warm_start", no_warm_start)
+    path = tiny_config(tmp_path)
+    config = yaml.safe_load(path.read_text())
+    config["model"]["init_args"]["policy"]["warm_start"] = "arithmetic"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["fit", "--config", str(path), *override]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"lightning-tlt fit: error: {message}"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -126,6 +126,10 @@ class RolloutBackend(Protocol):
     def add_listener(self, fn: StepListener) -> None: ...
 
     def remove_listener(self, fn: StepListener) -> None: ...
+
+    def adaptive_state_dict(self) -> dict[str, Any]: ...
+
+    def load_adaptive_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 SpecMethod = Literal["eagle", "suffix", "none"]

@@ -107,7 +107,9 @@ class RolloutDataModule(pl.LightningDataModule):
         reward_weights: weight per reward function; ``None`` takes the module's, else 1 each.
         scale_rewards: "group", "batch" or "none"; ``None`` takes the module's.
         on_reward_error: "raise" stops on a reward function error (naming the prompt and completion),
-            "skip" leaves the completions it cannot score out (NaN), never scoring them zero.
+            "skip" leaves the completions it cannot score out (NaN), never scoring them zero. A NaN or
+            infinite reward is such an error (counted in ``rewards/<name>/nonfinite``), and so is a
+            function that returns the wrong number of rewards (for the whole batch).
         seed: seeds the prompt order (reshuffled every epoch) and the sampling generator.
         shuffle: shuffle the prompts each epoch.
         task_size, difficulty, conversational, eval_size: how a zoo task's datasets are built.
@@ -149,6 +151,7 @@ class RolloutDataModule(pl.LightningDataModule):
             scale_rewards = normalize_scale_rewards(scale_rewards)
         if task_size < 1 or eval_size < 1:
             raise ValueError(f"task_size and eval_size must be >= 1, got {task_size!r}, {eval_size!r}")
+        check_task_names(dataset, eval_dataset, difficulty)
         self._dataset_arg, self._eval_arg, self._tokenizer_arg = dataset, eval_dataset, tokenizer
         self.reward_funcs: list[RewardFunc] = list(reward_funcs) if reward_funcs is not None else []
         self._reward_funcs_given = reward_funcs is not None
@@ -178,6 +181,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self._generator_state: torch.Tensor | None = None
         # the resumable position: epoch, prompts consumed in it, rollouts made, tokens seen
         self._epoch, self._index, self._rl_step, self._num_tokens = 0, 0, 0, 0
+        self._adaptive_state: dict[str, Any] | None = None  # the engine's gate and tuner, until it exists
         self._setup_done = False
 
     # ------------------------------------------------------------------ setup
@@ -201,8 +205,12 @@ class RolloutDataModule(pl.LightningDataModule):
             self.sampling = SamplingConfig()
         if self.scale_rewards is None:
             self.scale_rewards = "group"
-        if self._setup_done:
-            return
+        if not self._setup_done:
+            self._load_all()
+        if self._policy is not None:
+            self._check_context(self._policy)
+
+    def _load_all(self) -> None:
         self.tokenizer = _load_tokenizer(self._tokenizer_arg)
         self.train_data, task = self._load(self._dataset_arg, split="train", size=self.task_size)
         if self._eval_arg is not None:
@@ -220,13 +228,28 @@ class RolloutDataModule(pl.LightningDataModule):
                 f"reward_weights needs one weight per reward function ({len(self.reward_funcs)}), "
                 f"got {self.reward_weights!r}"
             )
-        if len(self.train_data) < self.prompts_per_step:
-            raise ValueError(
-                f"the dataset has {len(self.train_data)} prompts, fewer than prompts_per_step={self.prompts_per_step}"
-            )
+        check_dataset_size(len(self.train_data), self.prompts_per_step, self._rank_world()[1])
         self._train_prompt_ids = [self._encode(p) for p in self.train_data["prompt"]]
         self._eval_prompt_ids = [self._encode(p) for p in self.eval_data["prompt"]] if self.eval_data else []
         self._setup_done = True
+
+    def _check_context(self, policy: torch.nn.Module) -> None:
+        """Refuse, before any rollout, a context longer than the policy has positions for."""
+        assert self.sampling is not None
+        positions = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
+        longest = max(len(p) for p in self._train_prompt_ids + self._eval_prompt_ids)
+        context = self.max_seq_len or longest + self.sampling.max_new_tokens
+        if positions is not None and context > positions:
+            given, fix = (
+                (f"max_seq_len={self.max_seq_len}", "lower max_seq_len") if self.max_seq_len else (
+                    f"the longest prompt ({longest} tokens) + max_completion_length={self.sampling.max_new_tokens}",
+                    "lower max_completion_length (PPO: response_length)",
+                )
+            )
+            raise ValueError(
+                f"{given} = {context} tokens is more than the policy's {positions} positions "
+                f"(config.max_position_embeddings); {fix}"
+            )
 
     def _inherit(self, settings: RolloutSettings) -> None:
         for name in ("num_generations", "sampling", "scale_rewards", "reward_weights"):
@@ -299,6 +322,9 @@ class RolloutDataModule(pl.LightningDataModule):
                 self._engine = RolloutEngine(self.policy, **kwargs)
             for fn in self._listeners:
                 self._engine.add_listener(fn)
+            if self._adaptive_state is not None:
+                self._engine.load_adaptive_state_dict(self._adaptive_state)
+                self._adaptive_state = None
         return self._engine
 
     def add_listener(self, fn: StepListener) -> None:
@@ -413,7 +439,7 @@ class RolloutDataModule(pl.LightningDataModule):
         def log_extra(column: str, values: list[Any]) -> None:  # TRL's hook: a column of the completions table
             extra_columns[column] = list(values)
 
-        per_func, failures = compute_rewards(
+        per_func, errors, nonfinite = compute_rewards(
             self.reward_funcs, prompts=prompts, completions=completions, completion_ids=out.completion_ids,
             columns=columns, on_error=self.on_reward_error,
             extra_kwargs={"trainer_state": TrainerStateView(step, self._max_steps()), "log_metric": log_metric,
@@ -429,7 +455,7 @@ class RolloutDataModule(pl.LightningDataModule):
         if split == "train":
             self._num_tokens += int(batch.prompt_mask.sum() + batch.completion_mask.sum())
             self._rl_step += 1
-        batch.metrics = _metrics(batch, out, adv_stats, failures, reward_time, self._num_tokens)
+        batch.metrics = _metrics(batch, out, adv_stats, errors, nonfinite, reward_time, self._num_tokens)
         batch.metrics.update({name: sum(v) / len(v) for name, v in logged.items()})
         batch.extra_columns = extra_columns
         return batch
@@ -449,6 +475,9 @@ class RolloutDataModule(pl.LightningDataModule):
             "rl_step": self._rl_step,
             "num_tokens": self._num_tokens,
             "generator": self._generator.get_state() if self._generator is not None else self._generator_state,
+            # what the engine learned about speculating (gate and draft-length tuner): a resumed run
+            # speculates as the interrupted one would have
+            "engine_adaptive": self._engine.adaptive_state_dict() if self._engine is not None else self._adaptive_state,
         }
 
     @override
@@ -458,6 +487,41 @@ class RolloutDataModule(pl.LightningDataModule):
         self._generator_state = state_dict["generator"]
         if self._generator is not None and self._generator_state is not None:
             self._generator.set_state(self._generator_state)
+        adaptive = state_dict.get("engine_adaptive")  # absent in checkpoints of earlier versions
+        if adaptive:
+            if self._engine is not None:
+                self._engine.load_adaptive_state_dict(adaptive)
+            else:
+                self._adaptive_state = dict(adaptive)
+
+
+def check_task_names(dataset: Any, eval_dataset: Any = None, difficulty: int = 1) -> None:
+    """Refuse an unknown zoo task name or a difficulty it does not have (cheap: run before any other work).
+
+    Raises:
+        ValueError: naming the task and the registered ones, or the allowed difficulties.
+    """
+    for arg in (dataset, eval_dataset):
+        if isinstance(arg, str):
+            from lightning_tlt.data.tasks import get_task
+
+            get_task(arg).check_difficulty(difficulty)
+
+
+def check_dataset_size(num_prompts: int, prompts_per_step: int, world_size: int = 1) -> None:
+    """Refuse a dataset too small for one RL step: each of ``world_size`` ranks takes ``prompts_per_step`` prompts.
+
+    Raises:
+        ValueError: naming the dataset size, ``prompts_per_step`` and the world size.
+    """
+    needed = prompts_per_step * world_size
+    if num_prompts < needed:
+        ranks = f" x world size {world_size} = {needed}" if world_size > 1 else ""
+        raise ValueError(
+            f"the dataset has {num_prompts} prompts, fewer than prompts_per_step={prompts_per_step}{ranks} "
+            "that one RL step takes (every rank takes its own prompts); give more prompts (task_size for a "
+            "zoo task) or lower prompts_per_step"
+        )
 
 
 def _module_settings(module: Any) -> RolloutSettings | None:
@@ -493,8 +557,8 @@ def _to_batch(
 
 
 def _metrics(
-    batch: RolloutBatch, out: RolloutOutput, adv_stats: dict[str, torch.Tensor], failures: dict[str, int],
-    reward_time: float, num_tokens: int,
+    batch: RolloutBatch, out: RolloutOutput, adv_stats: dict[str, torch.Tensor], errors: dict[str, int],
+    nonfinite: dict[str, int], reward_time: float, num_tokens: int,
 ) -> dict[str, float]:
     """TRL's rollout metrics (names of ``GRPOTrainer``) plus the kit's engine and speculation figures."""
     lengths = batch.completion_mask.sum(1).float()  # (B,)
@@ -516,8 +580,10 @@ def _metrics(
         col = batch.rewards_per_func[:, j]
         m[f"rewards/{name}/mean"] = torch.nanmean(col).item()
         m[f"rewards/{name}/std"] = nanstd(col).item()
-        if name in failures:
-            m[f"rewards/{name}/errors"] = float(failures[name])
+        if name in errors:
+            m[f"rewards/{name}/errors"] = float(errors[name])
+        if name in nonfinite:
+            m[f"rewards/{name}/nonfinite"] = float(nonfinite[name])
     m.update(engine_metrics(out.stats))
     return m
 
@@ -547,4 +613,4 @@ def engine_metrics(stats: dict[str, float]) -> dict[str, float]:
     return m
 
 
-__all__ = ["RolloutDataModule", "RolloutSettings", "engine_metrics"]
+__all__ = ["RolloutDataModule", "RolloutSettings", "check_dataset_size", "check_task_names", "engine_metrics"]

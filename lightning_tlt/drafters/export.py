@@ -2,14 +2,23 @@
 
 The checkpoint of a run with `lightning_tlt.callbacks.drafter_cotrain.DrafterCoTrainCallback` holds
 the drafter's config and weights in the callback's state; this writes vLLM's EAGLE-1 layout
-(`lightning_tlt.drafters.eagle.write_eagle_dir`) without loading the policy. Load the result with
-``vllm.LLM(target, speculative_config={"method": "eagle", "model": out_dir, ...})`` or
-``EagleDrafter.from_pretrained(out_dir, policy)``.
+(`lightning_tlt.drafters.eagle.write_eagle_dir`) without loading the policy::
+
+    lightning-tlt export-drafter --checkpoint_path runs/demo_cpu_eagle/version_0/checkpoints/last.ckpt \\
+        --out_dir drafter/ [--which published|trained] [--overwrite] [--allow_nonfinite]
+
+Load the result with ``vllm.LLM(target, speculative_config={"method": "eagle", "model": out_dir, ...})``
+or ``EagleDrafter.from_pretrained(out_dir, policy)``. A non-empty ``out_dir`` is replaced only with
+``overwrite``, and weights holding NaN or inf (a diverged drafter) are refused unless ``allow_nonfinite``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +29,9 @@ from lightning_tlt.drafters.eagle import write_eagle_dir
 
 Which = Literal["published", "trained"]
 
+DRAFTER_CONFIGS = ("configs/demo_cpu_eagle.yaml", "configs/grpo_gpu_100m.yaml", "configs/grpo_gpu_400m.yaml")
+"""The shipped configs whose runs co-train a drafter (they hold `DrafterCoTrainCallback`)."""
+
 
 def find_drafter_state(checkpoint: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     """The ``(callback state key, state)`` of the drafter co-training callback in a checkpoint dict.
@@ -29,15 +41,47 @@ def find_drafter_state(checkpoint: Mapping[str, Any]) -> tuple[str, dict[str, An
     """
     callbacks = checkpoint.get("callbacks") or {}
     found = [(str(k), v) for k, v in callbacks.items() if isinstance(v, Mapping) and "drafter_config" in v]
-    if len(found) != 1:
+    if not found:
+        names = sorted(str(k).split("{")[0] for k in callbacks)
         raise ValueError(
-            f"expected exactly one DrafterCoTrainCallback state in the checkpoint, found {len(found)} "
-            f"among callbacks {sorted(map(str, callbacks))}"
+            f"the checkpoint holds no DrafterCoTrainCallback state (its callbacks: {names or 'none'}): its run "
+            f"did not co-train a drafter; train with a config that does, e.g. {DRAFTER_CONFIGS[0]} on a CPU, "
+            "and export that run's checkpoint"
+        )
+    if len(found) > 1:
+        raise ValueError(
+            f"the checkpoint holds {len(found)} DrafterCoTrainCallback states ({[k for k, _ in found]}); "
+            "expected exactly one"
         )
     return found[0][0], dict(found[0][1])
 
 
-def export_drafter(checkpoint_path: str | Path, out_dir: str | Path, *, which: Which = "published") -> Path:
+def _nonfinite(weights: Mapping[str, Any]) -> dict[str, int]:
+    """Per tensor name, how many entries are NaN or inf."""
+    counts = {}
+    for name, value in weights.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            bad = int((~torch.isfinite(value)).sum())
+            if bad:
+                counts[name] = bad
+    return counts
+
+
+def _umask() -> int:
+    """The process umask (read by setting it and putting it back)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def export_drafter(
+    checkpoint_path: str | Path,
+    out_dir: str | Path,
+    *,
+    which: Which = "published",
+    overwrite: bool = False,
+    allow_nonfinite: bool = False,
+) -> Path:
     """Write the drafter stored in a Lightning checkpoint as an EAGLE draft directory.
 
     Args:
@@ -45,30 +89,86 @@ def export_drafter(checkpoint_path: str | Path, out_dir: str | Path, *, which: W
         out_dir: the directory to write (``config.json`` and ``model.safetensors``).
         which: "published" (the version the engine last drafted with) or "trained" (the latest
             weights of the training copy).
+        overwrite: replace ``out_dir`` if it exists and is not empty (its old files are removed, so
+            none is left beside the new ones); without it such a directory is refused.
+        allow_nonfinite: export weights holding NaN or inf (a diverged drafter) instead of refusing.
 
     Returns:
         ``out_dir``.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``checkpoint_path``.
+        ValueError: the checkpoint holds no drafter, ``out_dir`` is not empty (without ``overwrite``)
+            or the weights are not finite (without ``allow_nonfinite``).
     """
     if which not in ("published", "trained"):
         raise ValueError(f"which must be 'published' or 'trained', got {which!r}")
+    checkpoint_path, out = Path(checkpoint_path), Path(out_dir)
+    if not checkpoint_path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {str(checkpoint_path)!r}")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir {str(out)!r} is a file, not a directory")
+    existing = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if existing and not overwrite:
+        raise ValueError(
+            f"out_dir {str(out)!r} is not empty ({', '.join(existing[:5])}{', ...' if len(existing) > 5 else ''}); "
+            "pass overwrite=True (--overwrite) to replace it"
+        )
     checkpoint = torch.load(str(checkpoint_path), map_location="cpu", weights_only=False)
-    _, state = find_drafter_state(checkpoint)
-    weights = (
-        state["published"]
-        if which == "published" and state.get("published") is not None
-        else state["drafter"]
-    )
-    return write_eagle_dir(out_dir, state["drafter_config"], weights, state.get("feature_layers"))
+    try:
+        _, state = find_drafter_state(checkpoint)
+    except ValueError as err:
+        raise ValueError(f"{checkpoint_path}: {err}") from None
+    use_published = which == "published" and state.get("published") is not None
+    weights = state["published"] if use_published else state["drafter"]
+    bad = _nonfinite(weights)
+    if bad and not allow_nonfinite:
+        raise ValueError(
+            f"the {'published' if use_published else 'trained'} drafter's weights hold {sum(bad.values())} NaN/inf "
+            f"values (in {', '.join(sorted(bad))}): the drafter diverged; export the other copy "
+            f"(which='{'trained' if use_published else 'published'}') or pass allow_nonfinite=True (--allow_nonfinite)"
+        )
+    # write next to out_dir, then put it in place: a failed export leaves the old directory as it was
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        write_eagle_dir(staging, state["drafter_config"], weights, state.get("feature_layers"))
+        # ordinary permissions, as open() and mkdir() give (0644 and 0755 under umask 022): safetensors writes
+        # 0600 and mkdtemp 0700, and an exported model is meant to be read by others (a vLLM server's user)
+        umask = _umask()
+        for path in staging.iterdir():
+            path.chmod(0o666 & ~umask)
+        staging.chmod(0o777 & ~umask)
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``lightning-tlt export-drafter CHECKPOINT OUT_DIR [--which published|trained]``."""
-    parser = argparse.ArgumentParser(prog="lightning-tlt export-drafter", description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", help="a Lightning .ckpt of a run with DrafterCoTrainCallback")
-    parser.add_argument("out_dir", help="directory to write the EAGLE draft to")
-    parser.add_argument("--which", choices=["published", "trained"], default="published")
+    """``lightning-tlt export-drafter --checkpoint_path CKPT --out_dir DIR [--which ...] [--overwrite] [--allow_nonfinite]``."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-tlt export-drafter",
+        description="Write the drafter co-trained in a Lightning run (DrafterCoTrainCallback) as a vLLM EAGLE draft "
+        "directory (config.json, model.safetensors).",
+    )
+    parser.add_argument("--checkpoint_path", "--checkpoint-path", required=True,
+                        help="a Lightning .ckpt of a run with DrafterCoTrainCallback")
+    parser.add_argument("--out_dir", "--out-dir", required=True, help="directory to write the EAGLE draft to")
+    parser.add_argument("--which", choices=["published", "trained"], default="published",
+                        help="the copy the engine last drafted with (published) or the training copy (trained)")
+    parser.add_argument("--overwrite", action="store_true", help="replace out_dir if it is not empty")
+    parser.add_argument("--allow_nonfinite", "--allow-nonfinite", action="store_true",
+                        help="export weights that hold NaN or inf (a diverged drafter)")
     args = parser.parse_args(argv)
-    path = export_drafter(args.checkpoint, args.out_dir, which=args.which)
+    try:
+        path = export_drafter(args.checkpoint_path, args.out_dir, which=args.which, overwrite=args.overwrite,
+                              allow_nonfinite=args.allow_nonfinite)
+    except (FileNotFoundError, ValueError) as err:
+        print(f"{parser.prog}: error: {err}", file=sys.stderr)
+        return 2
     print(f"wrote EAGLE drafter to {path}")
     return 0
 

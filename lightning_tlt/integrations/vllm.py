@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor, nn
 
+from lightning_tlt.core.prompts import validate_prompts
 from lightning_tlt.core.types import (
     FinishReason,
     RolloutOutput,
@@ -442,6 +443,14 @@ class VLLMRolloutEngine:
             self.update_drafter_weights(self._drafter)
         self._drafter_version = int(version)
 
+    def adaptive_state_dict(self) -> dict[str, Any]:
+        """The native engine's checkpoint hook: empty here, vLLM's speculation keeps no state worth resuming
+        (TLT's schedule is passed in whole by `speculative_config`)."""
+        return {}
+
+    def load_adaptive_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Accept what `adaptive_state_dict` (of either engine) returned; nothing to restore in vLLM."""
+
     # ------------------------------------------------------------------ construction helpers
     def _materialize(self, model_or_path: nn.Module | str | os.PathLike[str], tokenizer: Any) -> Path:
         if isinstance(model_or_path, (str, os.PathLike)):
@@ -479,25 +488,10 @@ class VLLMRolloutEngine:
     ) -> list[list[int]]:
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples!r}")
-        if not isinstance(prompts, Sequence) or isinstance(prompts, (str, bytes)):
-            raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
-        out = []
-        for i, prompt in enumerate(prompts):
-            ids = [int(t) for t in prompt]
-            if not ids:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(
-                    f"prompt {i} has token id {bad[0]!r} outside the vocabulary [0, {self.vocab_size})"
-                )
-            if len(ids) + sampling.max_new_tokens > self.max_seq_len:
-                raise ValueError(
-                    f"prompt {i} has {len(ids)} tokens; with max_new_tokens={sampling.max_new_tokens} that is "
-                    f"{len(ids) + sampling.max_new_tokens} > max_seq_len={self.max_seq_len}"
-                )
-            out.append(ids)
-        return out
+        ids = validate_prompts(
+            prompts, self.vocab_size, max_new_tokens=sampling.max_new_tokens, max_seq_len=self.max_seq_len
+        )
+        return [list(p) for p in ids]
 
     def sampling_params(self, sampling: SamplingConfig, num_samples: int, seed: int) -> SamplingParams:
         """The ``vllm.SamplingParams`` of one prompt (see `sampling_params_kwargs`)."""

@@ -24,16 +24,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from typing_extensions import override
 
 from lightning_tlt.data.tasks import Task, get_task
 from lightning_tlt.models.tokenizer import build_tokenizer, encode_prompt
 from lightning_tlt.models.zoo import ZOO_SIZES, build_model, count_parameters, load_model, save_model
 from lightning_tlt.rl.sft import LengthGroupedBatchSampler, SFTCollator, SFTConfig, SFTModule
-
-log = logging.getLogger(__name__)
 
 WARMSTART_VERSION = "2"
 """Bumped whenever the data, the model builder or the recipe change what a cached run holds."""
@@ -96,7 +97,7 @@ def warm_start(
     solutions (train split, ``difficulty``) with `SFTModule` under a Lightning ``Trainer``, then
     saves model, tokenizer and `METADATA_FILE` under
     ``cache_dir / warm_start_key(settings)``. A later call with the same settings loads that
-    directory (the log says which happened).
+    directory (a printed line says which happened).
 
     Args:
         task: a registered task name (`lightning_tlt.data.tasks.TASKS`).
@@ -109,7 +110,8 @@ def warm_start(
         lr: peak learning rate (cosine schedule, 5 % warmup).
         cache_dir: root of the cache; default `default_cache_dir`.
         device: ``"cpu"`` or ``"cuda"`` (bf16 mixed precision there).
-        progress: show Lightning's progress bar.
+        progress: show a progress bar over the SFT steps (only when it trains); the "loaded from the
+            cache" / "training" messages are printed either way (``rank_zero_info``).
         cpu_threads: torch intra-op threads while training on the CPU (restored afterwards);
             ``None`` keeps torch's setting. The zoo's small models gain little from threads, and
             on a CPU shared with other jobs one thread was measured 5-10x faster than two
@@ -127,12 +129,14 @@ def warm_start(
         task, arch, size, difficulty=difficulty, seed=seed, steps=steps, batch_size=batch_size, lr=lr,
         cache_dir=cache_dir,
     )
+    name = f"{settings['arch']}/{settings['size']} on {settings['task']} (difficulty {difficulty})"
     if (directory / METADATA_FILE).is_file() and (directory / "config.json").is_file():
-        log.info("warm_start: loaded from cache %s", directory)
+        rank_zero_info(f"warm start: {name} loaded from the cache {directory}")
         model, tokenizer = load_model(directory, dtype=torch.float32)
         return model, tokenizer
 
-    log.info("warm_start: training %s (not in cache)", directory)
+    rank_zero_info(f"warm start: training {name} for {steps} SFT steps on {device} (not cached yet; "
+                   f"saved to {directory})")
     start = time.perf_counter()
     previous_threads = torch.get_num_threads()
     if cpu_threads is not None and device == "cpu":
@@ -163,12 +167,9 @@ def warm_start(
         os.replace(tmp, directory)
     except OSError:  # another process cached the same run first: keep theirs
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info(
-        "warm_start: trained in %.1f s, loss %.3f -> %.3f, saved to %s",
-        seconds,
-        history[0],
-        metadata["final_loss"],
-        directory,
+    rank_zero_info(
+        f"warm start: trained in {seconds:.1f} s, loss {history[0]:.3f} -> {metadata['final_loss']:.3f}, "
+        f"saved to {directory}"
     )
     return model.eval(), tokenizer
 
@@ -227,12 +228,40 @@ def _train(
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,
-        enable_progress_bar=progress,
+        enable_progress_bar=False,  # Lightning's bar would count epochs of a sampler: ours counts the SFT steps
+        callbacks=[_SFTProgress(settings["steps"], f"warm start SFT ({settings['task']})")] if progress else [],
         num_sanity_val_steps=0,
     )
     trainer.fit(module, train_dataloaders=loader)
     trained: PreTrainedModel = module.model.cpu().float().eval()
     return trained, tokenizer, module.loss_history
+
+
+class _SFTProgress(Callback):
+    """A tqdm bar over the warm start's ``total`` optimizer steps, with the latest loss."""
+
+    def __init__(self, total: int, description: str) -> None:
+        self.total, self.description = total, description
+        self._bar: Any = None
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=self.total, desc=self.description, unit="step", dynamic_ncols=True)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._bar.update(trainer.global_step - self._bar.n)
+        history = getattr(pl_module, "loss_history", None)
+        if history:
+            self._bar.set_postfix(loss=f"{history[-1]:.3f}", refresh=False)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._bar.close()
 
 
 @torch.no_grad()

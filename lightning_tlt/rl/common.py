@@ -15,11 +15,14 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_tlt.data.batch import RolloutBatch
 from lightning_tlt.rl.config import OptimConfig
+from lightning_tlt.rl.progress_bar import optimizer_step_bar
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,10 +51,29 @@ class PolicySpec:
     """Parameter dtype."""
 
     def __post_init__(self) -> None:
+        from lightning_tlt.models.zoo import ARCHS, ZOO_SIZES
+
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.path is not None and self.warm_start is not None:
             raise ValueError(f"give either path ({self.path!r}) or warm_start ({self.warm_start!r}), not both")
+        if self.path is None and self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {list(ARCHS)}, got {self.arch!r}")
+        if self.path is None and self.size not in ZOO_SIZES:
+            raise ValueError(f"size must be one of {list(ZOO_SIZES)}, got {self.size!r}")
+
+    def max_positions(self) -> int | None:
+        """The policy's ``max_position_embeddings``, read from its config without building (or warm-starting) it."""
+        if self.path is not None:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(self.path)
+        else:
+            from lightning_tlt.models.zoo import build_config
+
+            config = build_config(self.arch, self.size)
+        positions = getattr(config, "max_position_embeddings", None)
+        return int(positions) if positions is not None else None
 
     def build(self) -> nn.Module:
         """Build (or load) the policy, on the CPU."""
@@ -79,6 +101,30 @@ def resolve_policy(policy: nn.Module | PolicySpec | dict[str, Any]) -> nn.Module
     if isinstance(policy, nn.Module):
         return policy
     raise ValueError(f"policy must be an nn.Module, a PolicySpec or a dict of one, got {type(policy)!r}")
+
+
+def check_completion_length(policy: nn.Module | PolicySpec | dict[str, Any], max_new_tokens: int, name: str) -> None:
+    """Refuse a completion budget the policy has no positions for, before the policy is built or warm-started.
+
+    Args:
+        policy: what the RL module was given.
+        max_new_tokens: the completion budget.
+        name: the option that set it, for the message (``max_completion_length``, ``response_length``).
+
+    Raises:
+        ValueError: naming both numbers.
+    """
+    if isinstance(policy, dict):
+        policy = PolicySpec(**policy)
+    if isinstance(policy, PolicySpec):
+        positions = policy.max_positions()
+    else:
+        positions = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
+    if positions is not None and max_new_tokens >= positions:
+        raise ValueError(
+            f"{name}={max_new_tokens} leaves no room for a prompt in the policy's {positions} positions "
+            f"(config.max_position_embeddings); {name} must be < {positions}"
+        )
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:
@@ -165,16 +211,44 @@ class RLModule(pl.LightningModule):
         self.automatic_optimization = False
         self.policy = resolve_policy(policy)
         self.harvest_features = False
+        self._applied_lr: float | None = None
         self.last_policy_features: PolicyFeatures | None = None
 
     @override
     def on_fit_start(self) -> None:
         self.policy.train()  # as HF's Trainer does; a reference model stays in eval mode
+        max_steps, per = self.trainer.max_steps, self.optimizer_steps_per_batch()
+        if max_steps is not None and max_steps > 0 and max_steps % per:
+            rank_zero_warn(
+                f"max_steps={max_steps} is not a multiple of the {per} optimizer steps each rollout batch makes: "
+                f"the last batch is trained on for {max_steps % per} of them, and training stops at step {max_steps}"
+            )
+
+    @override
+    def configure_callbacks(self) -> list[Callback]:
+        # Lightning's own progress bar counts batches; ours counts optimizer steps, as max_steps does
+        trainer = self._trainer
+        default = trainer.progress_bar_callback if trainer is not None else None
+        bar = optimizer_step_bar(default)
+        if bar is None:
+            return []
+        # take Lightning's default bar out ourselves: returned as an override, it would print a notice
+        # about "callbacks passed to Trainer" that a user who passed none could not place
+        assert trainer is not None
+        trainer.callbacks = [c for c in trainer.callbacks if c is not default]  # type: ignore[attr-defined]
+        return [bar]
 
     # ------------------------------------------------------------------ optimizer
     def optimizer_steps_per_batch(self) -> int:
-        """Optimizer steps one rollout batch makes (for the schedule's length)."""
+        """Optimizer steps one rollout batch makes (for the schedule's length and the progress bar)."""
         return 1
+
+    def optimizer_steps_left(self, wanted: int) -> int:
+        """How many of ``wanted`` optimizer steps this batch may make without going past ``max_steps``."""
+        trainer = self._trainer
+        if trainer is None or trainer.max_steps is None or trainer.max_steps < 0:
+            return wanted
+        return max(0, min(wanted, trainer.max_steps - self.global_step))
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.policy.parameters() if p.requires_grad]
@@ -226,13 +300,18 @@ class RLModule(pl.LightningModule):
         self.manual_backward(loss)
         if self.config.max_grad_norm > 0:
             self.clip_gradients(optimizer, gradient_clip_val=self.config.max_grad_norm, gradient_clip_algorithm="norm")
+        self._applied_lr = float(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler: Any = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
 
     def _learning_rate(self) -> float:
-        return float(self._optimizer().param_groups[0]["lr"])
+        """The learning rate of the batch's last optimizer step (not the next step's, which is 0.0 at the end
+        of a linear schedule)."""
+        if self._applied_lr is None:
+            return float(self._optimizer().param_groups[0]["lr"])
+        return self._applied_lr
 
     # ------------------------------------------------------------------ features and logging
     def _store_features(self, batch: RolloutBatch, hidden: Tensor | None) -> None:
@@ -251,6 +330,10 @@ class RLModule(pl.LightningModule):
 
     def _log_metrics(self, metrics: dict[str, float | Tensor], batch_size: int, prefix: str = "") -> None:
         shown = {"reward", "loss", "completions/mean_length", "spec/accept_len"}
+        if not prefix:
+            # the loggers' x-axis is the optimizer step (global_step, as max_steps and checkpoint names count),
+            # not Lightning's default count of training batches (Lightning reads a logged "step" as the step)
+            self.log("step", float(self.global_step), on_step=True, on_epoch=False, batch_size=batch_size)
         for name, value in metrics.items():
             value = float(value.item()) if isinstance(value, Tensor) else float(value)
             self.log(

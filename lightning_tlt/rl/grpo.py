@@ -18,7 +18,13 @@ from typing_extensions import override
 from lightning_tlt.data.batch import RolloutBatch
 from lightning_tlt.data.datamodule import RolloutSettings
 from lightning_tlt.rl.advantages import masked_mean
-from lightning_tlt.rl.common import PolicySpec, RLModule, completion_forward, frozen_copy
+from lightning_tlt.rl.common import (
+    PolicySpec,
+    RLModule,
+    check_completion_length,
+    completion_forward,
+    frozen_copy,
+)
 from lightning_tlt.rl.config import GRPOConfig
 from lightning_tlt.rl.losses import grpo_loss
 
@@ -62,8 +68,10 @@ class GRPOModule(RLModule):
         *,
         ref_model: nn.Module | None = None,
     ) -> None:
+        cfg = as_grpo_config(config)
+        check_completion_length(policy, cfg.max_completion_length, "max_completion_length")
         super().__init__(policy)
-        self.config = as_grpo_config(config)
+        self.config = cfg
         self.ref_model: nn.Module | None = None
         if self.config.beta > 0:
             self.ref_model = frozen_copy(ref_model if ref_model is not None else self.policy)
@@ -125,14 +133,15 @@ class GRPOModule(RLModule):
         old_logps: Tensor | None = None  # the first pass is on-policy: its own detached log-probs
         totals: dict[str, Tensor] = {}
         losses = []
-        for it in range(self.config.num_iterations):
+        passes = self.optimizer_steps_left(self.config.num_iterations)  # never past max_steps
+        for it in range(passes):
             loss, stats, logps = self.compute_loss(batch, old_logps, ref_logps, harvest=it == 0 and self.harvest_features)
             if old_logps is None:
                 old_logps = logps
             self._step(loss)
             losses.append(loss.detach())
             for k, v in stats.items():
-                totals[k] = totals.get(k, 0.0) + v / self.config.num_iterations
+                totals[k] = totals.get(k, 0.0) + v / passes
         mean_loss = torch.stack(losses).mean()
         metrics: dict[str, float | Tensor] = dict(batch.metrics)
         metrics.update(totals)

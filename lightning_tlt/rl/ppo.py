@@ -20,7 +20,13 @@ from typing_extensions import override
 from lightning_tlt.data.batch import RolloutBatch
 from lightning_tlt.data.datamodule import RolloutSettings
 from lightning_tlt.rl.advantages import gae, masked_mean, masked_whiten, ppo_token_rewards
-from lightning_tlt.rl.common import PolicySpec, RLModule, completion_forward, frozen_copy
+from lightning_tlt.rl.common import (
+    PolicySpec,
+    RLModule,
+    check_completion_length,
+    completion_forward,
+    frozen_copy,
+)
 from lightning_tlt.rl.config import PPOConfig
 from lightning_tlt.rl.losses import ppo_policy_loss, ppo_value_loss
 
@@ -67,8 +73,10 @@ class PPOModule(RLModule):
         ref_model: nn.Module | None = None,
         seed: int = 0,
     ) -> None:
+        cfg = as_ppo_config(config)
+        check_completion_length(policy, cfg.response_length, "response_length")
         super().__init__(policy)
-        self.config = as_ppo_config(config)
+        self.config = cfg
         self.value_model = value_model
         trunk: Any = value_model if value_model is not None else self.policy  # an HF model (has .config)
         hidden = int(trunk.config.hidden_size)
@@ -148,9 +156,14 @@ class PPOModule(RLModule):
         n = len(batch)
         totals: dict[str, Tensor] = {}
         count = 0
+        budget = self.optimizer_steps_left(self.optimizer_steps_per_batch())  # never past max_steps
         for _ in range(cfg.num_ppo_epochs):
+            if count == budget:
+                break
             order = torch.randperm(n, generator=self._shuffle).to(batch.completion_ids.device)
             for rows in order.chunk(cfg.num_mini_batches):
+                if count == budget:
+                    break
                 sub = batch.select(rows)
                 logps, values, ent = self.forward_with_values(sub)
                 m = mask[rows]

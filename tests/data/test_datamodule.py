@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from lightning_tlt.core.types import SamplingConfig
 from lightning_tlt.data.datamodule import RolloutDataModule
 from lightning_tlt.data.rewards import RewardFunctionError
+from lightning_tlt.data.tasks import get_task
 from lightning_tlt.models.zoo import build_model
 
 ROWS = [{"prompt": f"Q{i}: 1+{i}=\n", "answer": str(1 + i), "level": i % 3} for i in range(6)]
@@ -95,12 +97,43 @@ def test_raising_reward_names_the_prompt_and_completion(policy: torch.nn.Module)
     torch.testing.assert_close(batch.rewards[3:], batch.rewards_per_func[3:, 1])
 
 
-def test_wrong_reward_count_is_an_error(policy: torch.nn.Module) -> None:
-    def short(completions, **kw):  # noqa: ANN001, ANN003
-        return [1.0]
+def test_wrong_reward_count_is_one_error_for_the_batch(policy: torch.nn.Module, caplog) -> None:  # noqa: ANN001
+    calls: list[int] = []
 
-    with pytest.raises(RewardFunctionError, match="'short' raised ValueError: reward function 'short' returned 1 rewards, expected 6"):
+    def short(completions, **kw):  # noqa: ANN001, ANN003
+        calls.append(len(completions))
+        return [1.0] * (len(completions) - 1)
+
+    with pytest.raises(RewardFunctionError, match=r"^reward function 'short' returned 5 rewards for 6 completions"):
         make(policy, [short]).rollout([0, 1])
+    assert calls == [6]  # not re-run row by row: the count is the batch's error, not a row's
+
+    calls.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_tlt.data.rewards"):
+        batch = make(policy, [short, length_reward], on_reward_error="skip").rollout([0, 1])
+    assert calls == [6]
+    assert [r.getMessage() for r in caplog.records] == [
+        "reward function 'short' returned 5 rewards for 6 completions (it must return one per completion, "
+        "in order); skipped (all its rewards NaN)"
+    ]
+    assert torch.isnan(batch.rewards_per_func[:, 0]).all() and batch.metrics["rewards/short/errors"] == 6.0
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_nonfinite_rewards_follow_the_error_policy(policy: torch.nn.Module, bad: float) -> None:
+    def shaky(prompts, completions, **kw):  # noqa: ANN001, ANN003
+        return [bad if p.startswith("Q1") else 1.0 for p in prompts]
+
+    with pytest.raises(RewardFunctionError, match=rf"^reward function 'shaky' returned {bad!r} on prompt "
+                                                  r"'Q1: 1\+1=\\n' with completion '.*' \(and 2 more completions\)$"):
+        make(policy, [shaky], shuffle=False).rollout([0, 1])
+
+    batch = make(policy, [shaky, length_reward], shuffle=False, on_reward_error="skip").rollout([0, 1])
+    col = batch.rewards_per_func[:, 0]
+    assert (col[:3] == 1.0).all() and torch.isnan(col[3:]).all()  # left out, never a NaN/inf reward
+    assert batch.metrics["rewards/shaky/nonfinite"] == 3.0 and "rewards/shaky/errors" not in batch.metrics
+    assert math.isfinite(batch.metrics["reward"]) and torch.isfinite(batch.advantages).all()
+    torch.testing.assert_close(batch.rewards[3:], batch.rewards_per_func[3:, 1])
 
 
 def test_bad_configuration_errors(policy: torch.nn.Module) -> None:
@@ -223,3 +256,42 @@ def test_fit_without_eval_prompts_and_validate_needs_them(tmp_path) -> None:  # 
     run("fit")  # a plain dataset has no eval split: fit runs without validation (sanity check included)
     with pytest.raises(ValueError, match="validate needs eval_dataset"):
         run("validate")
+
+
+def test_a_dataset_too_small_for_the_ranks_is_refused(policy: torch.nn.Module) -> None:
+    import lightning.pytorch as pl
+
+    from lightning_tlt.data.datamodule import check_dataset_size
+
+    check_dataset_size(8, 4, 2)  # exactly one RL step across two ranks
+    with pytest.raises(ValueError, match=r"^the dataset has 6 prompts, fewer than prompts_per_step=4 x world size 2 "
+                                         r"= 8 that one RL step takes \(every rank takes its own prompts\)"):
+        check_dataset_size(6, 4, 2)
+    # the datamodule's setup reads the world size of its (real, not started) DDP Trainer: no "No training batches"
+    trainer = pl.Trainer(accelerator="cpu", strategy="ddp", devices=2, logger=False, enable_progress_bar=False)
+    dm = RolloutDataModule(ROWS, [length_reward], prompts_per_step=4, sampling=SamplingConfig(max_new_tokens=4))
+    dm.trainer = trainer
+    assert trainer.world_size == 2
+    with pytest.raises(ValueError, match="the dataset has 6 prompts, fewer than prompts_per_step=4 x world size 2 = 8"):
+        dm.prepare(policy=policy)
+
+
+def test_a_context_longer_than_the_policys_positions_is_refused(policy: torch.nn.Module) -> None:
+    positions = policy.config.max_position_embeddings  # 4096
+    longest = max(len(p) for p in make(policy, [length_reward])._train_prompt_ids)
+    make(policy, [length_reward], sampling=SamplingConfig(max_new_tokens=positions - longest))  # fits exactly
+    too_long = positions - longest + 1
+    with pytest.raises(ValueError, match=rf"^the longest prompt \({longest} tokens\) \+ max_completion_length="
+                                         rf"{too_long} = {positions + 1} tokens is more than the policy's {positions} "
+                                         r"positions \(config.max_position_embeddings\)"):
+        make(policy, [length_reward], sampling=SamplingConfig(max_new_tokens=too_long))
+    with pytest.raises(ValueError, match=r"^max_seq_len=5000 = 5000 tokens is more than the policy's 4096 positions"):
+        make(policy, [length_reward], max_seq_len=5000)
+
+
+def test_unknown_task_names_are_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match=r"unknown task 'arithmetik'; registered tasks: \['arithmetic', 'countdown'\]"):
+        RolloutDataModule("arithmetik")
+    top = get_task("countdown").max_difficulty
+    with pytest.raises(ValueError, match=rf"countdown: difficulty must be an int in \[1, {top}\], got 0"):
+        RolloutDataModule(ROWS, [length_reward], eval_dataset="countdown", difficulty=0)

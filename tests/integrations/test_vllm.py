@@ -297,6 +297,12 @@ class TestPlainEngine:
         assert other.completion_ids != out.completion_ids
         assert len({tuple(c) for c in out.completion_ids[:3]}) > 1  # the 3 samples of a prompt differ
 
+    def test_prompt_validation_and_adaptive_state_as_the_native_engine(self, engine) -> None:
+        with pytest.raises(TypeError, match=r"prompt 0 has 2\.5 \(float\) at position 1"):
+            engine.generate([[1, 2.5]], GREEDY)
+        assert engine.adaptive_state_dict() == {}  # what a datamodule checkpoints for this engine
+        engine.load_adaptive_state_dict({"gate": {"on": True, "streak": 0, "switches": 1}, "tuner": None})
+
     def test_sleep_is_a_warned_no_op_on_cpu(self, engine) -> None:
         with pytest.warns(UserWarning, match="sleep"):
             engine.sleep()

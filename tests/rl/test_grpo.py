@@ -213,3 +213,35 @@ def test_wandb_offline_and_tensorboard_loggers(tmp_path: Path, monkeypatch: pyte
     acc = EventAccumulator(str(events))
     acc.Reload()
     assert {"reward", "completions/mean_length", "entropy"} <= set(acc.Tags()["scalars"])
+
+
+def test_resume_restores_the_engines_gate_and_tuner(tmp_path: Path) -> None:
+    """The datamodule's checkpoint state holds the engine's adaptive state; a resumed engine starts from it."""
+    from lightning_tlt.core.types import SpeculativeConfig
+
+    def setup() -> tuple[GRPOModule, RolloutDataModule]:
+        module = GRPOModule(build_model("qwen2", "tiny", seed=3),
+                            GRPOConfig(num_generations=4, max_completion_length=16, learning_rate=1e-3))
+        data = RolloutDataModule("arithmetic", [digits], prompts_per_step=2, task_size=32, seed=3,
+                                 speculative=SpeculativeConfig(method="suffix", threshold=8, hysteresis_steps=1))
+        return module, data
+
+    module, data = setup()
+    t = trainer(tmp_path / "a", 2)
+    t.fit(module, datamodule=data)
+    ckpt = tmp_path / "two.ckpt"
+    t.save_checkpoint(ckpt)
+    live = data.engine.adaptive_state_dict()
+    saved = torch.load(ckpt, weights_only=False)["RolloutDataModule"]["engine_adaptive"]
+    assert saved["gate"] == live["gate"] and saved["gate"]["switches"] > 0  # the gate has opened: state to keep
+    assert saved["tuner"]["counts"] and saved["tuner"]["counts"] == live["tuner"]["counts"]
+
+    module, data = setup()
+    seen: list[dict] = []
+    data.add_listener(lambda e: seen.append(data.engine.adaptive_state_dict()) if not seen else None)
+    trainer(tmp_path / "b", 3).fit(module, datamodule=data, ckpt_path=ckpt)
+    restored = seen[0]  # at the resumed run's first engine event, before its first decode step
+    assert restored["gate"] == saved["gate"]
+    assert restored["tuner"]["counts"] == saved["tuner"]["counts"]
+    assert restored["tuner"]["rewards"] == saved["tuner"]["rewards"]
+    assert torch.equal(restored["tuner"]["generator"], saved["tuner"]["generator"])

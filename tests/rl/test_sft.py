@@ -164,11 +164,14 @@ def test_greedy_batched_generation_matches_unbatched(
 
 def test_short_warm_start_lowers_loss_and_is_cached(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     kwargs = dict(difficulty=1, seed=0, steps=40, batch_size=8, lr=3e-3, cache_dir=tmp_path, progress=False)
-    caplog.set_level(logging.INFO, logger="lightning_tlt.models.warmstart")
+    caplog.set_level(logging.INFO)
     start = time.perf_counter()
     model, tokenizer = warm_start("arithmetic", "qwen2", "tiny", **kwargs)
     first_seconds = time.perf_counter() - start
-    assert "warm_start: training" in caplog.text and "loaded from cache" not in caplog.text
+    # printed through Lightning's rank-zero logger: visible under `lightning-tlt fit` and in scripts
+    assert "warm start: training qwen2/tiny on arithmetic (difficulty 1) for 40 SFT steps on cpu" in caplog.text
+    assert "loaded from the cache" not in caplog.text
+    assert any(r.name.startswith("lightning.pytorch") for r in caplog.records if "warm start:" in r.getMessage())
     directory = warm_start_dir(
         "arithmetic", "qwen2", "tiny", **{k: v for k, v in kwargs.items() if k != "progress"}
     )
@@ -182,11 +185,19 @@ def test_short_warm_start_lowers_loss_and_is_cached(tmp_path: Path, caplog: pyte
     start = time.perf_counter()
     again, tokenizer2 = warm_start("arithmetic", "qwen2", "tiny", **kwargs)
     second_seconds = time.perf_counter() - start
-    assert "loaded from cache" in caplog.text and "warm_start: training" not in caplog.text
+    assert f"warm start: qwen2/tiny on arithmetic (difficulty 1) loaded from the cache {directory}" in caplog.text
+    assert "warm start: training" not in caplog.text
     assert second_seconds < first_seconds
     for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
         assert torch.equal(a, b), name
     assert tokenizer2.get_vocab() == tokenizer.get_vocab()
+
+
+def test_warm_start_shows_a_bar_over_its_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    warm_start("arithmetic", "qwen2", "tiny", steps=3, batch_size=4, cache_dir=tmp_path)
+    err = capsys.readouterr().err
+    assert "warm start SFT (arithmetic): 100%" in err and "3/3" in err and "loss=" in err
+    assert "Epoch 0" not in err  # not Lightning's epoch bar
 
 
 def test_warm_start_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
