@@ -471,8 +471,9 @@ class RolloutEngine:
         if self._spec_on:
             self._spec_step = SpeculativeStep(self.max_draft_tokens, self._vocab, compile=use_compile)
             rows = min(slots, self._graphs.bucket(min(self.speculative.threshold, slots)))
-            self._gate = AdaptiveGate(min(self.speculative.threshold, rows), self.speculative.hysteresis_steps,
-                                      hard_limit=rows)
+            assert self._gate is not None  # kept (with what it learned), capped to the rows the buffers serve
+            self._gate.threshold = min(self.speculative.threshold, rows)
+            self._gate.hard_limit = rows
             if self._tuner is not None:
                 self._tuner.set_device(device)
         self._pinned = [

@@ -241,7 +241,9 @@ def test_resume_restores_the_engines_gate_and_tuner(tmp_path: Path) -> None:
     data.add_listener(lambda e: seen.append(data.engine.adaptive_state_dict()) if not seen else None)
     trainer(tmp_path / "b", 3).fit(module, datamodule=data, ckpt_path=ckpt)
     restored = seen[0]  # at the resumed run's first engine event, before its first decode step
-    assert restored["gate"] == saved["gate"]
+    # a generate call starts with the gate closed (a new batch starts large), as the uninterrupted run's next
+    # call does; what it learned (its switch count) carries over
+    assert restored["gate"] == {**saved["gate"], "on": False, "streak": 0}
     assert restored["tuner"]["counts"] == saved["tuner"]["counts"]
     assert restored["tuner"]["rewards"] == saved["tuner"]["rewards"]
     assert torch.equal(restored["tuner"]["generator"], saved["tuner"]["generator"])
