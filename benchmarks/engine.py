@@ -1,4 +1,4 @@
-"""Decode throughput of `RolloutEngine` against HF ``generate`` as TRL's GRPOTrainer runs it.
+"""Decode throughput of `RolloutEngine` against HF ``generate``, verify cost, long-context cost.
 
 On the GPU (issue 9): a ~0.4 B zoo model (``build_model("qwen2", "400m", vocab_size=32000)``,
 random init, bf16), completions of ``--new-tokens`` tokens with no stop token, at several batch
@@ -7,7 +7,12 @@ sizes; HF ``generate`` configured as TRL 1.16's ``GRPOTrainer`` configures it wi
 ``disable_compile=True``), run for fewer tokens (``--hf-new-tokens``) because it is slow, so per-step
 figures are compared. Also: the weight-read floor (parameter bytes / measured copy bandwidth),
 graph capture and compile time, memory, and sanity checks (greedy parity with HF, seeded
-reproducibility). Prints a table and writes JSON to ``benchmarks/results/``.
+reproducibility). Then (issue 12), on a Qwen2.5-0.5B-shaped model (the same body, vocab 151,936):
+a 5-token verify step (``k = 4``) over a 1-token decode step at batch 1 and 8 (CUDA-graph replay
+times of the two captured steps); the step time at batch 32 with rows at about 1,000 tokens in an
+8,192-token cache over the same rows in a 1,024-token cache; and the graph cache's memory budget,
+eviction and ``bytes`` statistic on the GPU. Prints a table and writes JSON to
+``benchmarks/results/`` with a ``"summary"`` of the issue's keys.
 
 CPU smoke run (seconds): ``python benchmarks/engine.py --size tiny --smoke``.
 GPU run: ``python benchmarks/engine.py --size 400m``.
@@ -130,16 +135,18 @@ def sanity(model: Any, engine: RolloutEngine, vocab: int, device: torch.device) 
     }
 
 
-def graph_replay_ms(engine: RolloutEngine, batch: int) -> float | None:
-    """GPU time of one replay of the decode graph of ``batch``'s bucket (no host loop around it).
+def graph_replay_ms(engine: RolloutEngine, batch: int, phase: str = "decode", tokens_per_row: int = 1) -> float | None:
+    """GPU time of one replay of the ``phase`` graph of ``batch``'s bucket (no host loop around it).
 
-    Replays after a finished ``generate``: every row is finished, so the step only rewrites junk.
+    Replays after a finished ``generate``: every row is finished, so the step only rewrites junk
+    (with each row's KV length as the call left it).
     """
     graphs = engine._graphs
     if graphs is None or not graphs.enabled or engine.device.type != "cuda":
         return None
     bucket = graphs.bucket(batch)
-    graph = next((g for p, g in graphs._graphs.items() if p.phase == "decode" and p.batch == bucket), None)
+    graph = next((g for p, g in graphs._graphs.items()
+                  if p.phase == phase and p.batch == bucket and p.tokens_per_row == tokens_per_row), None)
     if graph is None:
         return None
     for _ in range(3):
@@ -174,7 +181,7 @@ def bench_batch(
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
     })
     row["graph_replay_ms"] = graph_replay_ms(engine, batch)
-    if not args.skip_hf:
+    if not args.skip_hf and batch in args.hf_batch_list:
         hf_trl_generate(model, prompts, 4, device)  # warm-up
         hf_wall = hf_trl_generate(model, prompts, args.hf_new_tokens, device)
         row.update({
@@ -193,6 +200,87 @@ def bench_batch(
     return row
 
 
+def verify_cost(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """Decode vs 5-token verify graph replay at batch 1, 8 and 32 on Qwen2.5-0.5B shapes (vocab 151,936)."""
+    from lightning_tlt.core.types import SpeculativeConfig
+
+    model = build_model(args.arch, args.size, vocab_size=args.verify_vocab, seed=0).to(device=device, dtype=dtype)
+    model.eval()
+    out: dict[str, Any] = {"vocab_size": args.verify_vocab, "params": sum(p.numel() for p in model.parameters())}
+    spec = SpeculativeConfig(method="suffix", num_draft_tokens=4, threshold=32, hysteresis_steps=1)
+    engine = RolloutEngine(model, max_batch_size=32, max_seq_len=args.prompt_len + 1600, speculative=spec,
+                           use_cuda_graphs=False if args.no_graphs else None,
+                           compile=False if args.no_compile else None)
+    for batch in (1, 8, 32):
+        # a long prompt then a few steps: both graphs captured, rows at ~1,500 positions as in the notes
+        prompts = random_prompts(batch, min(1500, args.prompt_len * 24), model.config.vocab_size, seed=batch)
+        cfg = SamplingConfig(temperature=1.0, max_new_tokens=24, stop_token_ids=[])
+        engine.generate(prompts, cfg, generator=torch.Generator().manual_seed(0))
+        decode = graph_replay_ms(engine, batch, "decode", 1)
+        verify = graph_replay_ms(engine, batch, "verify", 5)
+        out[f"b{batch}"] = {"decode_ms": decode, "verify5_ms": verify,
+                            "ratio": None if not decode or not verify else verify / decode}
+        print(f"0.5B shapes, batch {batch:3d}: decode {decode or 0:.3f} ms, verify of 5 {verify or 0:.3f} ms"
+              f" -> {out[f'b{batch}']['ratio'] or 0:.2f}x", flush=True)
+    out["graphs"] = engine.graph_stats
+    del engine, model
+    return out
+
+
+def long_context(args: argparse.Namespace, model: Any, device: torch.device) -> dict[str, Any]:
+    """Decode step at batch 32, rows at ~1,000 tokens, in an 8,192- vs a 1,024-token cache."""
+    out: dict[str, Any] = {}
+    prompts = random_prompts(32, 960, args.vocab_size, seed=7)
+    for cache in (8192, 1024):
+        engine = RolloutEngine(model, max_batch_size=32, max_seq_len=cache,
+                               use_cuda_graphs=False if args.no_graphs else None,
+                               compile=False if args.no_compile else None)
+        wall, _ = engine_generate(engine, prompts, 40, seed=0)
+        replay = graph_replay_ms(engine, 32)
+        out[f"cache{cache}"] = {"ms_per_step": wall / 40 * 1e3, "graph_replay_ms": replay}
+        print(f"long context: batch 32, rows ~1000 tokens, cache {cache}: graph {replay or 0:.3f} ms/step", flush=True)
+        del engine
+    a, b = out["cache8192"]["graph_replay_ms"], out["cache1024"]["graph_replay_ms"]
+    out["ratio"] = None if not a or not b else a / b
+    return out
+
+
+def graph_budget(args: argparse.Namespace, model: Any) -> dict[str, Any]:
+    """The graph cache under a memory budget on the device: captures, evictions, bytes held vs budget."""
+    probe = RolloutEngine(model, max_batch_size=8, max_seq_len=256,
+                          use_cuda_graphs=False if args.no_graphs else None, compile=False if args.no_compile else None)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=4, stop_token_ids=[])
+    probe.generate(random_prompts(8, 16, args.vocab_size, seed=1), cfg)
+    one = probe.graph_stats.get("bytes", 0.0)  # one decode graph of batch 8
+    budget = int(2.5 * max(one, 1.0))
+    engine = RolloutEngine(model, max_batch_size=8, max_seq_len=256, graph_memory_budget_bytes=budget,
+                           use_cuda_graphs=False if args.no_graphs else None, compile=False if args.no_compile else None)
+    for batch in (8, 4, 2, 1, 8):
+        engine.generate(random_prompts(batch, 16, args.vocab_size, seed=batch), cfg)
+    stats = engine.graph_stats
+    out = {"one_graph_bytes": one, "budget_bytes": budget, **stats,
+           "within_budget": stats.get("bytes", 0.0) <= budget}
+    print(f"graph budget {budget / 2**20:.1f} MiB: {stats.get('captures', 0):.0f} captures, "
+          f"{stats.get('evictions', 0):.0f} evictions, {stats.get('bytes', 0) / 2**20:.1f} MiB held", flush=True)
+    return out
+
+
+def summary_of(result: dict[str, Any]) -> dict[str, Any]:
+    """The issue's summary keys, from the rows measured in this run."""
+    rows = {r["batch"]: r for r in result["rows"] if "error" not in r}
+    verify = result.get("verify_cost", {})
+    ratio = lambda b: (verify.get(f"b{b}") or {}).get("ratio")  # noqa: E731
+    return {
+        "ms_per_step_b1": rows.get(1, {}).get("engine_ms_per_step"),
+        "tok_s_b128": rows.get(128, {}).get("engine_tokens_per_s"),
+        "verify5_over_decode_b1": ratio(1),
+        "verify5_over_decode_b8": ratio(8),
+        "long_context_ratio_b32": result.get("long_context", {}).get("ratio"),
+        "hf_ratio_b1": rows.get(1, {}).get("speedup_vs_hf"),
+        "hf_ratio_b128": rows.get(128, {}).get("speedup_vs_hf"),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", default="qwen2")
@@ -202,6 +290,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=1024)
     parser.add_argument("--hf-new-tokens", type=int, default=128)
+    parser.add_argument("--hf-batches", default="1,128", help="batches HF generate is run at (it is slow)")
+    parser.add_argument("--verify-vocab", type=int, default=151936, help="vocabulary of the verify-cost model")
+    parser.add_argument("--parts", default="rows,verify,long,budget", help="which parts to run")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
@@ -211,6 +302,9 @@ def main() -> None:
     if args.smoke:
         args.batches, args.new_tokens, args.hf_new_tokens, args.prompt_len = "1,4", 16, 8, 8
         args.vocab_size = min(args.vocab_size, 128)
+        args.verify_vocab, args.hf_batches, args.parts = 128, "1,4", "rows,verify"
+    args.hf_batch_list = [int(b) for b in args.hf_batches.split(",")]
+    parts = set(args.parts.split(","))
     batches = [int(b) for b in args.batches.split(",")]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -252,7 +346,7 @@ def main() -> None:
             Path(extra, out_path.name).write_text(json.dumps(result, indent=2))
 
     print(f"{card} | {params / 1e6:.0f} M params, floor {floor_ms:.3f} ms/step at {bandwidth / 1e9:.0f} GB/s")
-    for batch in batches:
+    for batch in batches if "rows" in parts else []:
         try:
             row = bench_batch(engine, model, batch, args, device, floor_ms)
         except Exception as err:  # record and go on: one failed size must not lose the others
@@ -267,7 +361,20 @@ def main() -> None:
     except Exception as err:  # report, do not lose the figures above
         result["sanity"] = {"error": repr(err)}
     result["graphs"] = engine.graph_stats
+    result["attention"] = engine.attention
+    del engine
+    for part, fn in (("long", lambda: long_context(args, model, device)), ("budget", lambda: graph_budget(args, model)),
+                     ("verify", lambda: verify_cost(args, device, dtype))):
+        if part in parts:
+            try:
+                result[{"long": "long_context", "budget": "graph_budget", "verify": "verify_cost"}[part]] = fn()
+            except Exception as err:  # one failed part must not lose the others
+                print(f"{part}: FAILED {err!r}", flush=True)
+                result[part + "_error"] = repr(err)
+            dump()
+    result["summary"] = summary_of(result)
     dump()
+    print("summary:", json.dumps(result["summary"], indent=1))
     print("sanity:", json.dumps(result["sanity"]))
     print("graphs:", json.dumps(result["graphs"]))
     print("wrote", out_path)
