@@ -126,7 +126,7 @@ class GRPOModule(RLModule):
         totals: dict[str, Tensor] = {}
         losses = []
         for it in range(self.config.num_iterations):
-            loss, stats, logps = self.compute_loss(batch, old_logps, ref_logps, harvest=it == 0 and self.harvest_features)
+            loss, stats, logps = self.compute_loss(batch, old_logps, ref_logps, harvest=it == 0 and self.policy_features_requested)
             if old_logps is None:
                 old_logps = logps
             self._step(loss)
