@@ -123,7 +123,8 @@ class EagleBatch:
     """``(B, T-1)`` bool: rows whose input token ``x_{t+1}`` is a completion token (where the engine
     drafts), with ``h_{t+1}`` a real position."""
     attention_mask: Tensor | None = None
-    """``(B, T-1)`` bool: real rows (``None``: all); padding rows are never attended to."""
+    """``(B, T-1)`` bool: real rows (``None``: all); padding rows are never attended to. Or, for rows
+    that pack several sequences, a ``(B, T-1, T-1)`` bool keep-mask (query, key): block-causal."""
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -406,7 +407,8 @@ class EagleDrafter(nn.Module):
             input_ids: ``(B, T)`` ``x_{t+1}``: the token after each feature's position.
             position_ids: ``(B, T)`` ``t``, the feature's position (RoPE).
             attention_mask: ``(B, T)`` 1 for real rows, 0 for padding (keys of padding rows are
-                never attended); ``None``: all real.
+                never attended); or a ``(B, T, T)`` bool keep-mask (query, key) for rows that pack
+                several sequences (block-causal; every row also sees itself); ``None``: all real.
 
         Returns:
             ``(B, T, H)`` predicted next features (no final norm; `logits` maps them to tokens).
@@ -428,11 +430,13 @@ class EagleDrafter(nn.Module):
         if attention_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
-            keep = causal[None] & attention_mask.bool()[:, None, :]  # (B, T, T)
-            keep = (
-                keep | torch.eye(seq, dtype=torch.bool, device=x.device)[None]
-            )  # padding rows see themselves
+            if attention_mask.dim() == 3:  # packed rows: the caller's block-causal keep-mask
+                keep = attention_mask.bool()
+            else:
+                causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+                keep = causal[None] & attention_mask.bool()[:, None, :]  # (B, T, T)
+            # padding rows see themselves (no fully masked softmax row)
+            keep = keep | torch.eye(seq, dtype=torch.bool, device=x.device)[None]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None])
         out = out.transpose(1, 2).reshape(bsz, seq, nh * hd)  # (B, T, H)
         x = x + attn.o_proj(out)
