@@ -6,6 +6,8 @@
 - ``lightning-tlt warmstart ...``: SFT warm start of a zoo policy (``lightning_tlt.models.warmstart``).
 - ``lightning-tlt export-drafter ...``: export a co-trained drafter for vLLM
   (``lightning_tlt.drafters.export.export_drafter``).
+- ``lightning-tlt train-drafter ...``: train an EAGLE drafter offline on a task (a warm start),
+  written for vLLM (``lightning_tlt.data.drafter_data.main``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from lightning_tlt.rl.common import RLModule
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "warmstart": ("lightning_tlt.models.warmstart", "main"),
     "export-drafter": ("lightning_tlt.drafters.export", "export_drafter"),
+    "train-drafter": ("lightning_tlt.data.drafter_data", "main"),
 }
 """Subcommands dispatched before LightningCLI: name -> (module, a ``main(argv)`` or a function to wrap)."""
 
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in SUBCOMMANDS:
         return _run_helper(argv[0], argv[1:])
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: lightning-tlt {fit,validate} --config CONFIG.yaml | lightning-tlt {warmstart,export-drafter} ...")
+        print("usage: lightning-tlt {fit,validate} --config CONFIG.yaml | lightning-tlt {warmstart,export-drafter,train-drafter} ...")
         print(__doc__)
         if not argv:
             return 0
