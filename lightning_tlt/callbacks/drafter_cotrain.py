@@ -253,9 +253,10 @@ class DrafterCoTrainCallback(Callback):
                 f"co-training harvests the policy's last hidden state only (EAGLE-1); an EAGLE-3 drafter "
                 f"(feature_layers={self.drafter.feature_layers!r}) is trained offline: use feature_layers=None"
             )
-        self.buffer.device = self.drafter.fc.weight.device
-        self.buffer.dtype = self.drafter.embed_weight.dtype  # compact: the policy's dtype
-        self.learner = DrafterTrainer(self.drafter, self.buffer, cfg)
+        if self.learner is None or self.learner.drafter is not self.drafter:  # a second fit keeps its optimizer
+            self.buffer.device = self.drafter.fc.weight.device
+            self.buffer.dtype = self.drafter.embed_weight.dtype  # compact: the policy's dtype
+            self.learner = DrafterTrainer(self.drafter, self.buffer, cfg)
         if self._pending_state is not None:
             self._restore(self._pending_state)
             self._pending_state = None
@@ -281,6 +282,8 @@ class DrafterCoTrainCallback(Callback):
         elif self._warm_started and not self._model_free(engine):
             self.published = publish_drafter(engine, drafter, self.version)  # version 0: cold
             self._published_steps = self.learner.steps_enqueued if self.learner is not None else 0
+        if self.learner is not None and self.buffer.num_train:  # resumed with data: capture now, not in a stall
+            self.learner.prepare()
         self._listen(trainer, engine)
 
     def _model_free(self, engine: Any) -> bool:
@@ -430,7 +433,7 @@ class DrafterCoTrainCallback(Callback):
         learner.wait()
         self.rl_steps += 1
         self._harvest(pl_module)
-        if not self._warm_started and self.buffer.num_train:
+        if not self._warm_started:  # warm_start="rollouts": the first boundary, on every rank
             self._run_warm_start(trainer)
         if _world_size() > 1 and self.config.average_across_ranks:
             learner.average_(lambda flat: trainer.strategy.reduce(flat, reduce_op="mean"))
@@ -553,6 +556,7 @@ class DrafterCoTrainCallback(Callback):
     def state_dict(self) -> dict[str, Any]:
         if self.drafter is None or self.learner is None:
             return dict(self._pending_state or {})
+        self.learner.wait()  # the weights read below are those after every queued step
         if self._eval_ready is None:  # an evaluation in flight is read now, so a resumed run has it too
             self._eval_ready = self.learner.take_evaluation()
         return {

@@ -21,6 +21,7 @@ captured train step.
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
 from dataclasses import astuple, dataclass
 from typing import Any
@@ -203,15 +204,14 @@ class FeatureReplayBuffer:
         return self._train
 
     # ------------------------------------------------------------------ plans (host) and batches (device)
-    def _randint(self, n: int) -> int:
-        return int(torch.randint(n, (), generator=self._generator))
-
     def plan(self, rows: int, length: int, segments: int) -> Tensor:
         """Draw one training batch: a ``(rows, segments, 3)`` int64 plan (host; see `PLAN_FIELDS`).
 
         Each row packs windows of uniformly drawn training sequences until its ``length`` draft
         rows are full (or ``segments`` windows are used); a whole sequence when it fits, else a
         random window of it whose draft rows include completion targets (true positions kept).
+        The randomness is one draw from the buffer's generator (the host work stays in the tens of
+        microseconds: this runs in the decode loop's listener).
 
         Raises:
             ValueError: the buffer holds no training sequence yet.
@@ -219,22 +219,25 @@ class FeatureReplayBuffer:
         train = self._train_seqs()
         if not train:
             raise ValueError("the replay buffer has no training sequences yet")
-        plan = [[(-1, 0, 0)] * segments for _ in range(rows)]
+        draws = iter(torch.rand(rows * segments * 2, generator=self._generator, dtype=torch.float64).tolist())
+        plan = array("q", [-1, 0, 0]) * (rows * segments)  # flat (rows, segments, 3)
         for r in range(rows):
             free, k = length, 0
             while free >= 1 and k < segments:
-                seq = train[self._randint(len(train))]
+                seq = train[min(int(next(draws) * len(train)), len(train) - 1)]
+                u = next(draws)
                 if seq.length - 1 <= free:
                     begin, window = 0, seq.length
                 else:  # a window of free + 1 tokens with at least one completion target among its rows
                     window = free + 1
                     lo = max(0, seq.first_target - (window - 1))
                     hi = max(lo, min(seq.length - window, seq.last_target - 1))
-                    begin = lo + self._randint(hi - lo + 1)
-                plan[r][k] = (seq.offset + begin, seq.position + begin, window - 1)
+                    begin = lo + min(int(u * (hi - lo + 1)), hi - lo)
+                i = 3 * (r * segments + k)
+                plan[i : i + 3] = array("q", (seq.offset + begin, seq.position + begin, window - 1))
                 free -= window - 1
                 k += 1
-        return torch.tensor(plan, dtype=torch.int64)
+        return torch.frombuffer(plan, dtype=torch.int64).view(rows, segments, 3)
 
     def heldout_plans(self, rows: int, length: int, segments: int, max_sequences: int | None = None) -> list[Tensor]:
         """The newest ``max_sequences`` held-out sequences, every draft row once, packed into plans.

@@ -176,7 +176,8 @@ class DrafterTrainer:
         with torch.autocast(self.device.type, dtype=low or torch.bfloat16, enabled=low is not None, cache_enabled=False):
             pred = drafter(batch.features.to(dtype), batch.input_ids, batch.position_ids, batch.attention_mask)
             pred_logits = self.head_logits(drafter, pred)
-            target_logits = self.head_logits(drafter, batch.target_features.to(dtype))
+            # the targets need no gradient: in the policy's dtype, the head is not copied to float32
+            target_logits = self.head_logits(drafter, batch.target_features.to(low or dtype))
         return eagle_loss(
             pred, batch.target_features, pred_logits, target_logits, batch.loss_mask,
             feature_weight=cfg.feature_weight, token_weight=cfg.token_weight, temperature=cfg.eval_temperature,

@@ -116,7 +116,7 @@ def test_cotraining_raises_acceptance_length(cotrained) -> None:  # noqa: ANN001
     k = 4
     before = acceptance_length(policy, cold, heldout, len(PROMPT), k, seed=3)
     after = acceptance_length(policy, trained, heldout, len(PROMPT), k, seed=3)
-    # measured (seeded): 1.05 tokens per verify step cold, 3.10 after 80 drafter steps
+    # measured (seeded): 1.05 tokens per verify step cold, 2.92 after 80 drafter steps
     assert after > before + 1.0, (before, after)
     assert after > 2.5
 
@@ -226,7 +226,7 @@ def test_stall_steps_adapt_to_the_measured_decode_slowdown() -> None:
         cb.on_step_event(StepEvent(i, "decode", 2, 0, 8, step_time * (2 if loaded else 1), new_tokens=2))
         loaded = cb.learner.steps_enqueued > before  # on the CPU a step runs at once, before the next decode step
     assert cb._window.stall_events == 600
-    assert 600 * 0.03 <= cb.learner.steps_enqueued <= 600 * 0.08  # measured: 29 (4.8 %)
+    assert 600 * 0.03 <= cb.learner.steps_enqueued <= 600 * 0.08  # measured: 33 (5.5 %)
     assert cb.pacer.slowdown < 0.2
     # outside stalls nothing is queued
     before = cb.learner.steps_enqueued
@@ -511,7 +511,7 @@ def test_warm_start_from_the_first_rollouts_beats_a_cold_drafter(tmp_path: Path)
     cold_cb.learner.evaluate(None, cold_cb._heldout_plans())
     cold_rate = cold_cb.learner.take_evaluation()
     assert cold_rate is not None
-    # measured (seeded): held-out acceptance rate 0.07 cold, 0.48 after 40 warm-start steps
+    # measured (seeded): held-out acceptance rate 0.07 cold, 0.52 after 40 warm-start steps
     assert warm > cold_rate[0] + 0.3, (cold_rate[0], warm)
 
 
