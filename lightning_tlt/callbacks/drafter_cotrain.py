@@ -342,6 +342,7 @@ class DrafterCoTrainCallback(Callback):
         """``warm_start_steps`` steps now, then a held-out evaluation read at once (a one-off sync)."""
         assert self.learner is not None
         start = time.perf_counter()
+        self.learner.resume_after_main()  # the features just added to the buffer first
         before = self._evaluate_now(trainer)
         self.learner.enqueue(self.config.warm_start_steps, block=True)
         after = self._evaluate_now(trainer)

@@ -227,14 +227,15 @@ class DrafterTrainer:
         """
         if self.execution != "graph" or self._graph is not None:
             return
+        main = torch.cuda.current_stream()
+        self._stream.wait_stream(main)  # everything the main stream wrote (buffer, weights) first
         with self._side(), torch.enable_grad():
-            self._stream.wait_stream(torch.cuda.current_stream())
             saved = self._plan.clone()
             self._plan[..., 0] = -1  # warm up on an empty plan: no draw from the buffer's generator
             self._hold.fill_(1.0)
             for _ in range(_WARMUP_ITERATIONS):
                 self._step()
-        torch.cuda.current_stream().wait_stream(self._stream)
+        main.wait_stream(self._stream)
         graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
         try:
             assert graph is not None
