@@ -128,7 +128,8 @@ class StepRecorder(Callback):
         }
         cotrain = [c for c in trainer.callbacks if type(c).__name__ == "DrafterCoTrainCallback"]  # type: ignore[attr-defined]
         # drafter time: its training in the stalls (inside the rollout) plus its work at the boundary
-        record["drafter_stall_s"] = float(getattr(cotrain[0], "last_step_drafter_s", 0.0)) if cotrain else 0.0
+        # (GPU time of the steps on the side stream, overlapping decode: CUDA events)
+        record["drafter_stall_s"] = float(cotrain[0].last_metrics.get("drafter/train_time_s", 0.0)) if cotrain else 0.0
         record["drafter_s"] = record["drafter_stall_s"] + (record["boundary_s"] if cotrain else 0.0)
         record["eagle_drafting"] = float(trainer.callback_metrics.get("drafter/eagle_drafting", float("nan")))
         self.steps.append(record)

@@ -172,15 +172,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # --- train an EAGLE drafter offline on the policy's own rollouts
     cb = DrafterCoTrainCallback(DrafterCoTrainConfig(learning_rate=args.drafter_lr, batch_size=16, max_len=512,
-                                                     buffer_capacity=4 * args.train_prompts, warmup_steps=20,
-                                                     side_stream=False))
-    drafter = cb.setup_drafter(policy).to(device=device, dtype=torch.float32)
-    cb.setup_drafter(policy)  # optimizer over the moved parameters
+                                                     buffer_tokens=4 * args.train_prompts * longest, warmup_steps=20,
+                                                     heldout_fraction=0.0))
+    drafter = cb.setup_drafter(policy)  # on the policy's device, float32 master weights
+    assert cb.learner is not None
     h = harvest(policy, data_out, tokenizer.pad_token_id, device)
     cb.buffer.add(h["features"], h["input_ids"], h["attention_mask"], h["completion_mask"], step=0)
     _sync()
     t0 = time.perf_counter()
-    steps = cb._train_steps(float("inf"), args.drafter_steps)
+    steps = cb.learner.enqueue(args.drafter_steps, block=True)  # the captured step, replayed back to back
+    cb.learner.wait()
     _sync()
     results["drafter_train"] = {"steps": steps, "seconds": time.perf_counter() - t0,
                                 "sequences": len(cb.buffer), "params": sum(p.numel() for p in drafter.parameters())}
@@ -198,12 +199,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs["eagle"] = timed_generate(on, test_ids, sampling, 1, seed=7)
 
     # --- co-training overhead: the same EAGLE rollout with the stall listener training
-    cb.config.side_stream = cuda
-    cb.setup_drafter(policy)
     on.add_listener(cb.on_step_event)
     runs["eagle+cotrain"] = timed_generate(on, test_ids, sampling, 1, seed=7)
     on.remove_listener(cb.on_step_event)
-    results["cotrain_steps_in_stalls"] = cb.total_steps - steps
+    results["cotrain_steps_in_stalls"] = cb.learner.steps_enqueued - steps
 
     table = {}
     for name, (out, binner, wall) in runs.items():

@@ -28,6 +28,9 @@ _EXPORTS: dict[str, str] = {
     "DraftProposal": "lightning_tlt.drafters.base",
     "FeatureReplayBuffer": "lightning_tlt.drafters.buffer",
     "eagle_loss": "lightning_tlt.drafters.loss",
+    "DrafterTrainer": "lightning_tlt.drafters.trainer",
+    "DrafterTrainConfig": "lightning_tlt.drafters.trainer",
+    "train_drafter": "lightning_tlt.drafters.offline",
     "export_drafter": "lightning_tlt.drafters.export",
     "verify_chain": "lightning_tlt.rollout.verify",
     "AdaptiveGate": "lightning_tlt.rollout.gate",
@@ -54,6 +57,8 @@ _EXPORTS: dict[str, str] = {
     "GRPOConfig": "lightning_tlt.rl.config",
     "PPOConfig": "lightning_tlt.rl.config",
     "PolicySpec": "lightning_tlt.rl.common",
+    "PolicyFeatureSource": "lightning_tlt.rl.common",
+    "PolicyFeatures": "lightning_tlt.rl.common",
     "GRPOModule": "lightning_tlt.rl.grpo",
     "PPOModule": "lightning_tlt.rl.ppo",
     # callbacks

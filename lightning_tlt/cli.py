@@ -78,6 +78,13 @@ def _export_drafter(argv: list[str]) -> int:
     return main(argv)
 
 
+@subcommand("train-drafter", "train an EAGLE drafter offline on a task's rollouts or SFT data, saved for vLLM")
+def _train_drafter(argv: list[str]) -> int:
+    from lightning_tlt.data.drafter_data import main
+
+    return main(argv)
+
+
 def usage() -> str:
     """What ``lightning-tlt --help`` prints."""
     width = max(map(len, SUBCOMMANDS))

@@ -77,7 +77,7 @@ def test_bad_yaml_configuration_is_a_clear_error(tmp_path: Path, capsys: pytest.
 
 
 def test_helper_subcommands_dispatch_before_lightningcli(capsys: pytest.CaptureFixture[str]) -> None:
-    assert list(SUBCOMMANDS) == ["fit", "validate", "warmstart", "export-drafter"]
+    assert list(SUBCOMMANDS) == ["fit", "validate", "warmstart", "export-drafter", "train-drafter"]
     with pytest.raises(SystemExit) as exit_info:
         main(["warmstart", "--help"])
     assert exit_info.value.code == 0

@@ -164,6 +164,7 @@ def decoder_layer(
     attention: str = "auto",
     kv_len: int | None = None,
     hole: Tensor | None = None,
+    mask: Tensor | None = None,
 ) -> Tensor:
     """One HF-named pre-norm decoder layer over a slot-indexed KV cache.
 
@@ -180,6 +181,8 @@ def decoder_layer(
         attention: the `lightning_tlt.core.attention` backend of the cached path.
         kv_len: an upper bound on every row's length (the SDPA path reads only that many positions).
         hole: ``(B, 2)`` ``[lo, hi)`` of cached positions each row does not see (EAGLE history), or ``None``.
+        mask: with ``prefill``, a ``(B, q, q)`` bool (query, key) mask replacing the causal one
+            (rows packing several sequences), or ``None``.
 
     Returns:
         ``(B, q, H)`` output hidden states.
@@ -202,8 +205,8 @@ def decoder_layer(
         v_cache.index_put_((rows, positions), v.to(v_cache.dtype))
     if prefill:
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-            enable_gqa=num_heads != num_kv_heads,
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=mask is None,
+            attn_mask=None if mask is None else mask[:, None], enable_gqa=num_heads != num_kv_heads,
         ).transpose(1, 2)  # (B, q, nh, hd)
     else:
         assert k_cache is not None and v_cache is not None, "decode and verify attend over a cache"

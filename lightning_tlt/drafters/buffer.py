@@ -1,24 +1,29 @@
-"""A bounded replay buffer of the policy's features and tokens, for training the drafter in stalls.
+"""A token-bounded replay buffer of the policy's features, packed into static-shape drafter batches.
 
-Where the features come from: the policy's forward in the RL training step
-(`lightning_tlt.rl.common.RLModule.harvest_features` -> ``last_policy_features``). That forward
-runs anyway to compute the loss, and it already computes the last hidden state of every prompt and
-completion token, so harvesting costs one device copy of a tensor that exists, not a forward. The
-alternative, keeping the engine's hidden state at each decode step, would add a write per step
-inside the captured decode graphs and keep features of rows whose rollouts may never be trained on.
-The features are those of the policy that generated the rollouts (the first, on-policy pass),
-which is exactly the distribution the drafter must imitate at the next rollout.
+Where the features come from: the policy's forward in the RL training step (the RL module hands
+them over through `lightning_tlt.rl.common.PolicyFeatureSource`). That forward runs anyway to
+compute the loss and already computes the last hidden state of every prompt and completion token,
+so harvesting costs one device copy of a tensor that exists, not a forward. The features are those
+of the policy that generated the rollouts, which is what the drafter must imitate next.
 
-Each entry is one sequence with its padding stripped (prompt + completion, positions from 0), the
-completion mask and the RL step it came from; the oldest entries are dropped beyond the capacity.
-A fixed share of entries (chosen by an explicit generator) is held out, never trained on, to
-measure the drafter's acceptance before publishing it.
+Storage is compact and bounded by tokens, because it goes into checkpoints: one preallocated ring
+of ``capacity_tokens`` slots holding the features in the policy's dtype, the tokens as int32 and
+the completion mask as bool, plus host metadata per sequence (where it lies, its first position,
+its RL step, whether it is held out). The ring never moves (captured CUDA graphs read it at fixed
+addresses); the oldest sequences are overwritten first.
+
+Batches have one static shape: ``rows x length`` draft rows, each row packing windows of one or
+more sequences (block-causal attention, true RoPE positions). The host only draws *which* windows
+(with an explicit generator) and writes a small ``(rows, segments, 3)`` plan; `FeatureReplayBuffer.gather`
+expands the plan and gathers the rows on the device with no host sync, so it can run inside a
+captured train step.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import torch
@@ -26,218 +31,340 @@ from torch import Tensor
 
 from lightning_tlt.drafters.eagle import EagleBatch
 
+PLAN_FIELDS = 3
+"""A plan row is ``(first ring slot, first position, draft rows)`` of one window (``-1, 0, 0``: unused)."""
+
 
 @dataclass
-class _Entry:
-    features: Tensor  # (T, F)
-    last_features: Tensor | None  # (T, H) when features are EAGLE-3's concatenation
-    tokens: Tensor  # (T,) long
-    completion_mask: Tensor  # (T,) bool
-    step: int
+class _Seq:
+    offset: int  # first ring slot
+    length: int  # tokens stored
+    position: int  # position of the first stored token
+    first_target: int  # first index i >= 1 whose token is a completion token (the target of draft row i - 1)
+    last_target: int  # last such index
+    step: int  # RL step of the rollout
+    heldout: bool
 
 
 class FeatureReplayBuffer:
-    """Bounded FIFO of per-sequence (features, tokens, completion mask), tagged with the RL step.
+    """Ring of (feature, token, completion flag) slots, one sequence after the other, FIFO.
 
     Args:
-        capacity: most sequences kept (oldest dropped first).
+        capacity_tokens: ring size in tokens (sequences longer than this keep their first
+            ``capacity_tokens`` tokens).
         heldout_fraction: share of added sequences kept out of training, for held-out acceptance.
-        max_len: longest training window; longer sequences are cut to a random window of this many
-            tokens (positions keep their true values, so RoPE sees what the engine sees).
-        seed: seeds the buffer's generator (held-out choice, sampling) when none is given.
+        seed: seeds the buffer's generator (held-out choice, batch draws) when none is given.
         generator: the buffer's randomness (a CPU ``torch.Generator``).
+        dtype: storage dtype of the features; ``None``: the dtype of the first features added.
+        device: where the ring lives; ``None``: where the first features added live.
     """
 
     def __init__(
         self,
-        capacity: int = 256,
+        capacity_tokens: int = 65536,
         heldout_fraction: float = 0.1,
-        max_len: int = 512,
         seed: int = 0,
         generator: torch.Generator | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity!r}")
+        if capacity_tokens < 2:
+            raise ValueError(f"capacity_tokens must be >= 2, got {capacity_tokens!r}")
         if not 0.0 <= heldout_fraction < 1.0:
             raise ValueError(f"heldout_fraction must be in [0, 1), got {heldout_fraction!r}")
-        if max_len < 2:
-            raise ValueError(f"max_len must be >= 2, got {max_len!r}")
-        self.capacity = capacity
+        self.capacity_tokens = capacity_tokens
         self.heldout_fraction = heldout_fraction
-        self.max_len = max_len
+        self.dtype = dtype
+        self.device = torch.device(device) if device is not None else None
         self._generator = generator if generator is not None else torch.Generator().manual_seed(seed)
-        self._train: deque[_Entry] = deque()
-        self._heldout: deque[_Entry] = deque()
+        self._seqs: deque[_Seq] = deque()
+        self._train: list[_Seq] | None = None  # cached training sequences (rebuilt after add)
+        self._head = 0  # next free ring slot
         self._added = 0
+        self.features: Tensor | None = None  # (C, F) ring, the policy's dtype
+        self.tokens: Tensor | None = None  # (C,) int32
+        self.completion: Tensor | None = None  # (C,) bool
+
+    # ------------------------------------------------------------------ storage
+    def _allocate(self, feature_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype = self.dtype or dtype
+        self.device = self.device or device
+        c = self.capacity_tokens
+        self.features = torch.zeros(c, feature_dim, dtype=self.dtype, device=self.device)
+        self.tokens = torch.zeros(c, dtype=torch.int32, device=self.device)
+        self.completion = torch.zeros(c, dtype=torch.bool, device=self.device)
+
+    def _place(self, length: int) -> int:
+        """Ring offset for ``length`` tokens; evicts the sequences it overwrites (the oldest)."""
+        if self._head + length > self.capacity_tokens:  # wrap: the tail end of the ring goes unused
+            while self._seqs and self._seqs[0].offset >= self._head:
+                self._seqs.popleft()
+            self._head = 0
+        start, stop = self._head, self._head + length
+        while self._seqs and self._seqs[0].offset < stop and self._seqs[0].offset + self._seqs[0].length > start:
+            self._seqs.popleft()
+        self._head = stop
+        return start
 
     # ------------------------------------------------------------------ filling
     @torch.no_grad()
     def add(
-        self,
-        features: Tensor,
-        input_ids: Tensor,
-        attention_mask: Tensor,
-        completion_mask: Tensor,
-        step: int,
-        *,
-        last_features: Tensor | None = None,
+        self, features: Tensor, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor, step: int
     ) -> int:
         """Add a batch of sequences (padding anywhere; real tokens must be contiguous per row).
 
         Args:
-            features: ``(N, T, F)`` the policy's features (detached; kept on their device).
+            features: ``(N, T, F)`` the policy's features (detached).
             input_ids: ``(N, T)`` tokens.
             attention_mask: ``(N, T)`` 1 on real tokens (e.g. left-padded prompt + right-padded completion).
             completion_mask: ``(N, T)`` 1 on completion tokens.
             step: the RL step the rollouts belong to.
-            last_features: ``(N, T, H)`` last-layer features when ``features`` are EAGLE-3's.
 
         Returns:
-            Sequences added (rows with fewer than 2 real tokens or no completion are skipped).
+            Sequences added (rows with fewer than 2 real tokens or no completion token after the
+            first are skipped).
         """
-        if features.shape[:2] != input_ids.shape or attention_mask.shape != input_ids.shape:
+        if features.dim() != 3 or features.shape[:2] != input_ids.shape or attention_mask.shape != input_ids.shape:
             raise ValueError(
                 f"features (N, T, F), input_ids (N, T) and attention_mask (N, T) must agree, got "
                 f"{tuple(features.shape)}, {tuple(input_ids.shape)}, {tuple(attention_mask.shape)}"
             )
-        lengths = attention_mask.sum(1).tolist()
-        starts = attention_mask.long().argmax(1).tolist()  # first real token of each row
-        has_completion = (completion_mask.bool() & attention_mask.bool()).any(1).tolist()
-        added = 0
-        for i, (start, length, any_completion) in enumerate(zip(starts, lengths, has_completion)):
-            if length < 2 or not any_completion:
-                continue
-            sl = slice(start, start + length)
-            entry = _Entry(
-                features=features[i, sl].detach().clone(),
-                last_features=None if last_features is None else last_features[i, sl].detach().clone(),
-                tokens=input_ids[i, sl].clone(),
-                completion_mask=completion_mask[i, sl].bool().clone(),
-                step=int(step),
+        if completion_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"completion_mask must be (N, T) like input_ids {tuple(input_ids.shape)}, got {tuple(completion_mask.shape)}"
             )
+        if self.features is None:
+            self._allocate(features.shape[-1], features.dtype, features.device)
+        assert self.features is not None and self.tokens is not None and self.completion is not None
+        if features.shape[-1] != self.features.shape[-1]:
+            raise ValueError(f"features are {features.shape[-1]} wide, the buffer holds {self.features.shape[-1]}")
+        real = attention_mask.bool()
+        width = real.shape[1]
+        cols = torch.arange(width, device=real.device)
+        start = real.long().argmax(1)  # first real token per row
+        target = completion_mask.bool() & real & (cols[None] > start[:, None])  # completion tokens after the first
+        big = torch.full_like(cols, width)[None]
+        first = torch.where(target, cols[None], big).amin(1) - start
+        last = torch.where(target, cols[None], -big).amax(1) - start
+        meta = torch.stack([start, real.sum(1), first, last, target.any(1).long()], 1).tolist()  # one host read
+        src_rows: list[int] = []
+        src_cols: list[int] = []
+        dst: list[int] = []
+        added = 0
+        for i, (row_start, length, first_t, last_t, any_target) in enumerate(meta):
+            if length < 2 or not any_target:
+                continue
+            length = min(length, self.capacity_tokens)
+            if first_t >= length:  # its completion lies beyond the stored prefix
+                continue
+            offset = self._place(length)
             heldout = bool(torch.rand((), generator=self._generator) < self.heldout_fraction)
-            (self._heldout if heldout else self._train).append(entry)
-            self._added += 1
+            self._seqs.append(_Seq(offset, length, 0, first_t, min(last_t, length - 1), int(step), heldout))
+            src_rows += [i] * length
+            src_cols += range(row_start, row_start + length)
+            dst += range(offset, offset + length)
             added += 1
-        self._evict()
+        if added:
+            dev = self.features.device
+            d = torch.tensor(dst, device=dev)
+            r = torch.tensor(src_rows, device=features.device)
+            c = torch.tensor(src_cols, device=features.device)
+            self.features[d] = features[r, c].to(device=dev, dtype=self.features.dtype)
+            self.tokens[d] = input_ids[r, c].to(device=dev, dtype=torch.int32)
+            self.completion[d] = completion_mask[r, c].to(device=dev).bool()
+        self._added += added
+        self._train = None
         return added
 
-    def _evict(self) -> None:
-        heldout_cap = max(1, round(self.capacity * self.heldout_fraction)) if self.heldout_fraction else 0
-        while len(self._heldout) > heldout_cap:
-            self._heldout.popleft()
-        while len(self._train) > self.capacity - len(self._heldout) and self._train:
-            self._train.popleft()
-
     def __len__(self) -> int:
-        return len(self._train) + len(self._heldout)
+        return len(self._seqs)
 
     @property
     def num_train(self) -> int:
-        return len(self._train)
+        return len(self._train_seqs())
 
     @property
     def num_heldout(self) -> int:
-        return len(self._heldout)
+        return sum(1 for s in self._seqs if s.heldout)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens held (live sequences)."""
+        return sum(s.length for s in self._seqs)
 
     def clear(self) -> None:
-        self._train.clear()
-        self._heldout.clear()
+        self._seqs.clear()
+        self._train = None
+        self._head = 0
 
-    # ------------------------------------------------------------------ batches
-    def sample(self, batch_size: int, device: torch.device | str | None = None) -> EagleBatch:
-        """A training batch of ``batch_size`` sequences drawn uniformly (with replacement), aligned.
+    def _train_seqs(self) -> list[_Seq]:
+        if self._train is None:
+            self._train = [s for s in self._seqs if not s.heldout]
+        return self._train
+
+    # ------------------------------------------------------------------ plans (host) and batches (device)
+    def plan(self, rows: int, length: int, segments: int) -> Tensor:
+        """Draw one training batch: a ``(rows, segments, 3)`` int64 plan (host; see `PLAN_FIELDS`).
+
+        Each row packs windows of uniformly drawn training sequences until its ``length`` draft
+        rows are full (or ``segments`` windows are used); a whole sequence when it fits, else a
+        random window of it whose draft rows include completion targets (true positions kept).
+        The randomness is one draw from the buffer's generator (the host work stays in the tens of
+        microseconds: this runs in the decode loop's listener).
 
         Raises:
             ValueError: the buffer holds no training sequence yet.
         """
-        if not self._train:
+        train = self._train_seqs()
+        if not train:
             raise ValueError("the replay buffer has no training sequences yet")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
-        picks = torch.randint(len(self._train), (batch_size,), generator=self._generator).tolist()
-        return self._collate([self._train[i] for i in picks], device, crop=True)
+        draws = iter(torch.rand(rows * segments * 2, generator=self._generator, dtype=torch.float64).tolist())
+        plan = array("q", [-1, 0, 0]) * (rows * segments)  # flat (rows, segments, 3)
+        for r in range(rows):
+            free, k = length, 0
+            while free >= 1 and k < segments:
+                seq = train[min(int(next(draws) * len(train)), len(train) - 1)]
+                u = next(draws)
+                if seq.length - 1 <= free:
+                    begin, window = 0, seq.length
+                else:  # a window of free + 1 tokens with at least one completion target among its rows
+                    window = free + 1
+                    lo = max(0, seq.first_target - (window - 1))
+                    hi = max(lo, min(seq.length - window, seq.last_target - 1))
+                    begin = lo + min(int(u * (hi - lo + 1)), hi - lo)
+                i = 3 * (r * segments + k)
+                plan[i : i + 3] = array("q", (seq.offset + begin, seq.position + begin, window - 1))
+                free -= window - 1
+                k += 1
+        return torch.frombuffer(plan, dtype=torch.int64).view(rows, segments, 3)
 
-    def heldout(
-        self, device: torch.device | str | None = None, max_sequences: int | None = None
-    ) -> EagleBatch | None:
-        """The held-out sequences as one aligned batch (the newest ``max_sequences``), or ``None``."""
-        if not self._heldout:
-            return None
-        entries = list(self._heldout)[-max_sequences:] if max_sequences else list(self._heldout)
-        return self._collate(entries, device, crop=True)
+    def heldout_plans(self, rows: int, length: int, segments: int, max_sequences: int | None = None) -> list[Tensor]:
+        """The newest ``max_sequences`` held-out sequences, every draft row once, packed into plans.
 
-    def _collate(self, entries: list[_Entry], device: torch.device | str | None, crop: bool) -> EagleBatch:
+        Deterministic (no draw): each sequence is cut into consecutive windows of at most
+        ``length`` draft rows, placed first-fit into rows of ``rows x length`` batches.
+        """
+        heldout = [s for s in self._seqs if s.heldout]
+        if max_sequences is not None:
+            heldout = heldout[-max_sequences:] if max_sequences > 0 else []
         windows = []
-        for e in entries:
-            n = e.tokens.shape[0]
-            start = 0
-            if crop and n > self.max_len:
-                # a window whose rows include completion tokens: its last token at or after the
-                # first completion token, its second token at or before the last one
-                completion = e.completion_mask.nonzero().flatten()
-                lo = max(0, int(completion.min()) - (self.max_len - 1))
-                hi = max(lo, min(n - self.max_len, int(completion.max()) - 1))
-                start = lo + int(torch.randint(hi - lo + 1, (), generator=self._generator))
-            windows.append((e, start, min(n, start + self.max_len)))
-        width = max(stop - start for _, start, stop in windows)
-        ref = entries[0]
-        dev = torch.device(device) if device is not None else ref.features.device
-        feat_dim = ref.features.shape[-1]
-        last_dim = ref.last_features.shape[-1] if ref.last_features is not None else feat_dim
-        bsz = len(windows)
-        feats = torch.zeros(bsz, width, feat_dim, dtype=ref.features.dtype, device=dev)
-        last = (
-            torch.zeros(bsz, width, last_dim, dtype=ref.features.dtype, device=dev)
-            if ref.last_features is not None
-            else None
-        )
-        tokens = torch.zeros(bsz, width, dtype=torch.long, device=dev)
-        cmask = torch.zeros(bsz, width, dtype=torch.bool, device=dev)
-        positions = torch.zeros(bsz, width, dtype=torch.long, device=dev)
-        real = torch.zeros(bsz, width, dtype=torch.bool, device=dev)
-        for i, (e, start, stop) in enumerate(windows):
-            n = stop - start
-            feats[i, :n] = e.features[start:stop].to(dev)
-            if last is not None and e.last_features is not None:
-                last[i, :n] = e.last_features[start:stop].to(dev)
-            tokens[i, :n] = e.tokens[start:stop].to(dev)
-            cmask[i, :n] = e.completion_mask[start:stop].to(dev)
-            positions[i, :n] = torch.arange(start, stop, device=dev)
-            real[i, :n] = True
-        target = feats if last is None else last
-        # alignment of `align_for_eagle`: row t = (h_t, x_{t+1}, position t) -> h_{t+1}
+        for s in heldout:
+            for begin in range(0, s.length - 1, length):
+                windows.append((s.offset + begin, s.position + begin, min(length, s.length - 1 - begin)))
+        batches: list[list[list[tuple[int, int, int]]]] = []
+        row: list[tuple[int, int, int]] = []
+        used = 0
+        packed: list[list[tuple[int, int, int]]] = []
+        for w in windows:
+            if used + w[2] > length or len(row) == segments:
+                packed.append(row)
+                row, used = [], 0
+            row.append(w)
+            used += w[2]
+        if row:
+            packed.append(row)
+        for start in range(0, len(packed), rows):
+            chunk = packed[start : start + rows]
+            batches.append([r + [(-1, 0, 0)] * (segments - len(r)) for r in chunk] +
+                           [[(-1, 0, 0)] * segments] * (rows - len(chunk)))  # fmt: skip
+        return [torch.tensor(b, dtype=torch.int64) for b in batches]
+
+    def gather(self, plan: Tensor, length: int) -> EagleBatch:
+        """Expand a ``(R, S, 3)`` plan on the device into ``(R, length)`` aligned, packed draft rows
+        (an `EagleBatch`), with no host sync.
+
+        Draft row ``j`` of a window starting at ring slot ``a`` and position ``p`` gets the feature
+        at ``a + j``, the token at ``a + j + 1`` (its input), position ``p + j`` and the target
+        feature at ``a + j + 1`` (vLLM's alignment, `lightning_tlt.drafters.eagle.align_for_eagle`);
+        it counts in the loss when that next token is a completion token. Attention is causal
+        within a window and never crosses windows.
+        """
+        assert self.features is not None and self.tokens is not None and self.completion is not None
+        rows, segments, _ = plan.shape
+        start, pos, count = plan.unbind(-1)  # (R, S) each
+        ends = count.cumsum(-1)  # (R, S)
+        j = torch.arange(length, device=plan.device).expand(rows, length)  # (R, L)
+        seg = torch.searchsorted(ends, j.contiguous(), right=True)  # the window of each draft row
+        real = seg < segments
+        seg_c = seg.clamp_max(segments - 1)
+        within = j - (ends - count).gather(1, seg_c)
+        real = real & (within < count.gather(1, seg_c)) & (start.gather(1, seg_c) >= 0)
+        src = torch.where(real, start.gather(1, seg_c) + within, 0)  # (R, L) ring slot of h_t
+        nxt = torch.where(real, src + 1, 0)
+        keep = (seg[:, :, None] == seg[:, None, :]) & (j[:, None, :] <= j[:, :, None]) & real[:, None, :]
         return EagleBatch(
-            features=feats[:, :-1],
-            input_ids=tokens[:, 1:],
-            position_ids=positions[:, :-1],
-            target_features=target[:, 1:],
-            loss_mask=cmask[:, 1:] & real[:, 1:],
-            attention_mask=real[:, :-1],
+            features=self.features[src],
+            input_ids=self.tokens[nxt].long(),
+            position_ids=torch.where(real, pos.gather(1, seg_c) + within, 0),
+            target_features=self.features[nxt],
+            loss_mask=self.completion[nxt] & real,
+            attention_mask=keep,  # (R, L, L) block-causal
         )
+
+    def sample(self, rows: int, length: int, segments: int = 32) -> EagleBatch:
+        """A training batch drawn as `plan` does, gathered at once (tests, offline use)."""
+        return self.gather(self.plan(rows, length, segments).to(self.device), length)
 
     # ------------------------------------------------------------------ checkpointing
     def summary(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the buffer (its contents are rebuilt from later rollouts)."""
-        entries = list(self._train) + list(self._heldout)
-        steps = [e.step for e in entries]
+        """Counts for logs: sequences, tokens, steps held."""
+        steps = [s.step for s in self._seqs]
         return {
-            "sequences": len(entries),
-            "train_sequences": len(self._train),
-            "heldout_sequences": len(self._heldout),
-            "tokens": int(sum(e.tokens.shape[0] for e in entries)),
-            "completion_tokens": int(sum(int(e.completion_mask.sum()) for e in entries)),
+            "sequences": len(self._seqs),
+            "train_sequences": self.num_train,
+            "heldout_sequences": self.num_heldout,
+            "tokens": self.num_tokens,
             "min_step": min(steps) if steps else None,
             "max_step": max(steps) if steps else None,
             "added": self._added,
-            "capacity": self.capacity,
+            "capacity_tokens": self.capacity_tokens,
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """The summary and the generator's state (the entries are not saved: they are large and
-        belong to a policy that has moved on)."""
-        return {"summary": self.summary(), "generator": self._generator.get_state(), "added": self._added}
+        """The contents (compact: features in their storage dtype, tokens int32), the ring layout,
+        and the generator, so a resumed run draws the same batches from the same data."""
+        seqs = list(self._seqs)
+        slots = [i for s in seqs for i in range(s.offset, s.offset + s.length)]
+        index = torch.tensor(slots, dtype=torch.long, device=self.device)
+        contents = [None if t is None else t[index].cpu() for t in (self.features, self.tokens, self.completion)]
+        return {
+            "format": 2,
+            "capacity_tokens": self.capacity_tokens,
+            "sequences": torch.tensor([astuple(s) for s in seqs], dtype=torch.long).reshape(-1, 7),
+            "features": contents[0],
+            "tokens": contents[1],
+            "completion": contents[2],
+            "head": self._head,
+            "added": self._added,
+            "generator": self._generator.get_state(),
+        }
 
+    @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore `state_dict`'s contents at the same ring offsets. A checkpoint of the old format
+        (a summary without contents) restores the generator and the count only."""
         self._generator.set_state(state_dict["generator"])
         self._added = int(state_dict["added"])
+        if state_dict.get("format") != 2:
+            return
+        if int(state_dict["capacity_tokens"]) != self.capacity_tokens:
+            raise ValueError(
+                f"the checkpoint's buffer holds {state_dict['capacity_tokens']} tokens, this one "
+                f"{self.capacity_tokens}: resume with the same buffer_tokens"
+            )
+        self.clear()
+        self._head = int(state_dict["head"])
+        seqs = [_Seq(row[0], row[1], row[2], row[3], row[4], row[5], bool(row[6]))
+                for row in state_dict["sequences"].tolist()]  # fmt: skip
+        if not seqs:
+            return
+        features = state_dict["features"]
+        if self.features is None:
+            self._allocate(features.shape[-1], features.dtype, self.device or torch.device("cpu"))
+        assert self.features is not None and self.tokens is not None and self.completion is not None
+        index = torch.tensor([i for s in seqs for i in range(s.offset, s.offset + s.length)], device=self.device)
+        self.features[index] = features.to(device=self.features.device, dtype=self.features.dtype)
+        self.tokens[index] = state_dict["tokens"].to(self.tokens.device)
+        self.completion[index] = state_dict["completion"].to(self.completion.device)
+        self._seqs.extend(seqs)

@@ -124,7 +124,8 @@ class EagleBatch:
     """``(B, T-1)`` bool: rows whose input token ``x_{t+1}`` is a completion token (where the engine
     drafts), with ``h_{t+1}`` a real position."""
     attention_mask: Tensor | None = None
-    """``(B, T-1)`` bool: real rows (``None``: all); padding rows are never attended to."""
+    """``(B, T-1)`` bool: real rows (``None``: all); padding rows are never attended to. Or, for rows
+    that pack several sequences, a ``(B, T-1, T-1)`` bool keep-mask (query, key): block-causal."""
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -406,15 +407,20 @@ class EagleDrafter(nn.Module):
             features: ``(B, T, F)`` ``h_t`` per row (see the alignment convention).
             input_ids: ``(B, T)`` ``x_{t+1}``: the token after each feature's position.
             position_ids: ``(B, T)`` ``t``, the feature's position (RoPE).
-            attention_mask: ``(B, T)`` 1 for real rows, 0 for padding; padding must be on the right
-                (as `FeatureReplayBuffer` and `align_for_eagle` produce it), where causal attention
-                keeps it out of every real row (the mask is not applied: no host sync, capturable).
+            attention_mask: ``(B, T)`` 1 for real rows, 0 for padding, padding on the right (causal
+                attention keeps it out of every real row, so it is not applied: no host sync,
+                capturable); or a ``(B, T, T)`` bool keep-mask (query, key) for rows that pack
+                several sequences (block-causal; every row also sees itself); ``None``: all real.
 
         Returns:
             ``(B, T, H)`` predicted next features (no final norm; `logits` maps them to tokens).
         """
         x = self.input_hidden(features, input_ids)  # (B, T, H)
-        return self.layer_forward(x, position_ids)
+        keep = None
+        if attention_mask is not None and attention_mask.dim() == 3:  # packed rows: block-causal
+            eye = torch.eye(x.shape[1], dtype=torch.bool, device=x.device)[None]
+            keep = attention_mask.bool() | eye  # padding rows see themselves (no empty softmax row)
+        return self.layer_forward(x, position_ids, keep=keep)
 
     def layer_forward(
         self,
@@ -427,6 +433,7 @@ class EagleDrafter(nn.Module):
         attention: str = "auto",
         hole: Tensor | None = None,
         rope: tuple[Tensor, Tensor] | None = None,
+        keep: Tensor | None = None,
     ) -> Tensor:
         """The decoder layer over layer inputs ``x`` (``(B, T, H)``, from `input_hidden`).
 
@@ -443,12 +450,13 @@ class EagleDrafter(nn.Module):
             hole: ``(B, 2)`` ``[lo, hi)`` cached positions not seen, or ``None``.
             rope: precomputed ``(cos, sin)`` of ``position_ids`` (the engine computes a whole
                 draft chain's once), or ``None``.
+            keep: ``(B, T, T)`` bool (query, key) mask replacing the causal one (packed rows), or ``None``.
         """
         cos, sin = rope if rope is not None else rope_cos_sin(position_ids, self.inv_freq, self.rope_scaling, x.dtype)
         return decoder_layer(
             self.layer, x, cos, sin, position_ids, k_cache, v_cache,
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            prefill=prefill, attention=attention, hole=hole,
+            prefill=prefill, attention=attention, hole=hole, mask=keep,
         )  # fmt: skip
 
     def logits(self, features: Tensor) -> Tensor:

@@ -4,14 +4,15 @@ The modules only orchestrate: losses and advantages are pure functions (`lightni
 `lightning_tlt.rl.advantages`); this file holds the plumbing both need: building the policy from
 a small typed spec (so LightningCLI can describe it in YAML), per-token log-probabilities of the
 completions (TRL's ``_get_per_token_logps_and_entropies``), AdamW with TRL's linear schedule, and
-the hidden-state harvest that the drafter co-training callback reads.
+the declared interface through which the drafter co-training callback receives the policy's
+hidden states (`PolicyFeatureSource`, implemented by `RLModule`).
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
@@ -139,8 +140,8 @@ def frozen_copy(model: nn.Module) -> nn.Module:
 class PolicyFeatures:
     """The policy's final hidden states from the first training forward of an RL step.
 
-    Read by the drafter co-training callback (``pl_module.last_policy_features``) to train the
-    EAGLE drafter on what the policy computed anyway.
+    What an RL module hands to the drafter co-training callback (`PolicyFeatureSource`), so the
+    EAGLE drafter trains on what the policy computed anyway.
     """
 
     hidden_states: Tensor
@@ -153,6 +154,24 @@ class PolicyFeatures:
     """``(N, T)`` 1 on completion tokens."""
     step: int
     """The RL step (``trainer.global_step`` when the batch was trained on)."""
+
+
+@runtime_checkable
+class PolicyFeatureSource(Protocol):
+    """A LightningModule that can hand over the policy's hidden states of each RL step.
+
+    `lightning_tlt.callbacks.drafter_cotrain.DrafterCoTrainCallback` calls
+    ``request_policy_features(True)`` at fit start, `take_policy_features` at each RL step
+    boundary, and ``request_policy_features(False)`` at teardown. `RLModule` implements it.
+    """
+
+    def request_policy_features(self, enabled: bool = True) -> None:
+        """Keep (or stop keeping) the features of the first training forward of each RL step."""
+        ...
+
+    def take_policy_features(self) -> PolicyFeatures | None:
+        """The features the latest RL step kept, handed over once; ``None`` if there are none."""
+        ...
 
 
 @dataclass
@@ -197,22 +216,42 @@ def completion_forward(
 class RLModule(pl.LightningModule):
     """Base of `GRPOModule` and `PPOModule`: manual optimization over rollout batches.
 
-    Attributes:
-        harvest_features: when true, the first training forward of each RL step also returns the
-            final hidden states, stored detached in `last_policy_features` (off by default: it
-            costs nothing then).
-        last_policy_features: the latest `PolicyFeatures`, or ``None``.
+    A `PolicyFeatureSource`: once `request_policy_features` was called, the first training forward
+    of each RL step also returns the policy's final hidden states (a copy of a tensor the loss
+    computes anyway), kept detached until `take_policy_features` hands them over. Off by default:
+    it costs nothing then.
     """
 
     config: OptimConfig
+    _features_requested: bool
+    """Whether the first training forward of each RL step keeps the policy's hidden states."""
+    _policy_features: PolicyFeatures | None
+    """What that forward kept last, until `take_policy_features` hands it over."""
 
     def __init__(self, policy: nn.Module | PolicySpec | dict[str, Any]) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.policy = resolve_policy(policy)
-        self.harvest_features = False
         self._applied_lr: float | None = None
-        self.last_policy_features: PolicyFeatures | None = None
+        self._features_requested = False
+        self._policy_features = None
+
+    # ------------------------------------------------------------------ PolicyFeatureSource
+    def request_policy_features(self, enabled: bool = True) -> None:
+        """Keep (``enabled``) or stop keeping the policy's features of each RL step (see the class)."""
+        self._features_requested = bool(enabled)
+        if not enabled:
+            self._policy_features = None
+
+    @property
+    def policy_features_requested(self) -> bool:
+        """Whether `request_policy_features` is on (the training step then asks its first forward for them)."""
+        return self._features_requested
+
+    def take_policy_features(self) -> PolicyFeatures | None:
+        """The `PolicyFeatures` of the latest RL step, handed over once (then ``None`` until the next)."""
+        features, self._policy_features = self._policy_features, None
+        return features
 
     @override
     def on_fit_start(self) -> None:
@@ -320,7 +359,7 @@ class RLModule(pl.LightningModule):
         p = batch.prompt_ids.shape[1]
         completion_mask = torch.zeros_like(batch.attention_mask)
         completion_mask[:, p:] = batch.completion_mask
-        self.last_policy_features = PolicyFeatures(
+        self._policy_features = PolicyFeatures(
             hidden_states=hidden.detach(),
             input_ids=batch.input_ids,
             attention_mask=batch.attention_mask,

@@ -135,7 +135,8 @@ class GRPOModule(RLModule):
         losses = []
         passes = self.optimizer_steps_left(self.config.num_iterations)  # never past max_steps
         for it in range(passes):
-            loss, stats, logps = self.compute_loss(batch, old_logps, ref_logps, harvest=it == 0 and self.harvest_features)
+            harvest = it == 0 and self.policy_features_requested
+            loss, stats, logps = self.compute_loss(batch, old_logps, ref_logps, harvest=harvest)
             if old_logps is None:
                 old_logps = logps
             self._step(loss)

@@ -138,7 +138,7 @@ class PPOModule(RLModule):
         scorable = ~torch.isnan(batch.rewards)  # a completion no reward function could score trains nothing
         mask = mask & scorable.unsqueeze(1)
         with torch.no_grad():
-            old_logps, old_values, entropies = self.forward_with_values(batch, harvest=self.harvest_features)
+            old_logps, old_values, entropies = self.forward_with_values(batch, harvest=self.policy_features_requested)
             ref_logps = old_logps
             if self.ref_model is not None:
                 ref_logps = completion_forward(self.ref_model, batch, temperature=cfg.temperature).logps

@@ -16,6 +16,7 @@ from lightning_tlt.callbacks.rollout_metrics import RolloutMetricsCallback
 from lightning_tlt.callbacks.rollout_progress import RolloutProgressCallback
 from lightning_tlt.data.datamodule import RolloutDataModule
 from lightning_tlt.models.zoo import build_model
+from lightning_tlt.rl.common import PolicyFeatureSource
 from lightning_tlt.rl.config import GRPOConfig
 from lightning_tlt.rl.grpo import GRPOModule
 
@@ -102,10 +103,11 @@ def test_harvest_features_for_drafter_cotraining(tmp_path: Path) -> None:
 
     module, data = make()
     initial = copy.deepcopy(module.policy)
-    module.harvest_features = True
+    assert isinstance(module, PolicyFeatureSource) and module.take_policy_features() is None
+    module.request_policy_features(True)
     trainer(tmp_path, 1).fit(module, datamodule=data)
-    feats = module.last_policy_features
-    assert feats is not None
+    feats = module.take_policy_features()
+    assert feats is not None and module.take_policy_features() is None  # handed over once
     n, t = feats.input_ids.shape
     assert feats.hidden_states.shape == (n, t, module.policy.config.hidden_size)
     assert not feats.hidden_states.requires_grad and feats.step == 0

@@ -1,0 +1,100 @@
+"""`StallPacer`: how many drafter steps to queue at each stall event, so decode slows by a bounded share.
+
+The drafter trains on a side stream beside decoding; on a GPU the two contend for the same SMs and
+memory bandwidth, so what is bounded is the *effect* on decode, measured: the step time of decode
+steps that ran beside drafter work over the step time of comparable decode steps that did not
+(same phase, same bucket of active rows). The engine reports each step's host wall time
+(`lightning_tlt.core.types.StepEvent.step_time_s`), which with its one-step-lagged host reads
+tracks the GPU step time.
+
+Control: a rate of drafter steps per stall event, accumulated as credit (so rates below one queue
+a step every few events). Each stall step gives an observation ``s = time / clean_time - 1`` (0 for
+a clean step), and the rate moves in log space by ``gain * (cap - s) / cap``: an integral
+controller whose fixed point is a mean observed slowdown equal to the cap (a clean step raises the
+rate a little, a step slowed by twice the cap lowers it as much). Clean baselines are refreshed by
+probing: when a bucket's baseline is missing or old, the pacer queues nothing until the side stream
+has drained, and the next step of that bucket is clean.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StallPacer:
+    """Drafter steps per stall event, adapted online to a cap on the measured decode slowdown.
+
+    Args:
+        max_per_event: most steps queued at one event.
+        max_slowdown: cap on the mean relative slowdown of stall steps (0.05: 5 %); ``None`` queues
+            ``max_per_event`` at every stall event, unmeasured (deterministic: tests, resume).
+        smoothing: weight of the newest observation in the moving averages (clean baselines, the
+            reported `slowdown`).
+        probe_every: loaded stall steps of a bucket after which its clean baseline is measured again.
+        gain: the controller's step in log rate per observation, relative to the cap.
+        min_rate: the rate never falls below this (so it can always measure its way back up).
+    """
+
+    max_per_event: int
+    max_slowdown: float | None = 0.05
+    smoothing: float = 0.2
+    probe_every: int = 64
+    gain: float = 0.05
+    min_rate: float = 1e-3
+    rate: float = 1.0
+    """Current drafter steps per stall event."""
+    slowdown: float = 0.0
+    """Moving average of the observed relative slowdown of stall steps (0.05: 5 % slower)."""
+    _credit: float = 0.0
+    _loaded: bool = False  # drafter work may overlap the step the next event reports
+    _clean: dict[tuple[str, int], float] = field(default_factory=dict)
+    _since_clean: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_per_event < 0:
+            raise ValueError(f"max_per_event must be >= 0, got {self.max_per_event!r}")
+        if self.max_slowdown is not None and not self.max_slowdown > 0:
+            raise ValueError(f"max_slowdown must be > 0 or None, got {self.max_slowdown!r}")
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing!r}")
+        self.rate = min(self.rate, float(self.max_per_event))
+
+    @staticmethod
+    def bucket(phase: str, active_rows: int) -> tuple[str, int]:
+        """Steps comparable in cost: same phase, active rows rounded up to a power of two."""
+        return phase, 1 << max(0, active_rows - 1).bit_length()
+
+    def plan(self, phase: str, active_rows: int, step_time_s: float, in_flight: int) -> int:
+        """Steps to queue after a stall step that took ``step_time_s``, with ``in_flight`` steps
+        still running on the side stream."""
+        if self.max_slowdown is None:
+            return self.max_per_event
+        key = self.bucket(phase, active_rows)
+        clean = self._clean.get(key)
+        a = self.smoothing
+        if not self._loaded:
+            self._clean[key] = step_time_s if clean is None else (1 - a) * clean + a * step_time_s
+            self._since_clean[key] = 0
+            observed = 0.0
+        else:
+            self._since_clean[key] = self._since_clean.get(key, 0) + 1
+            observed = step_time_s / clean - 1.0 if clean else float("nan")
+        if observed == observed:  # a comparable clean baseline exists
+            self.slowdown = (1 - a) * self.slowdown + a * observed
+            step = self.gain * (self.max_slowdown - observed) / self.max_slowdown
+            self.rate = min(float(self.max_per_event), max(self.min_rate, self.rate * math.exp(step)))
+        probing = clean is None or self._since_clean.get(key, 0) >= self.probe_every
+        n = 0
+        if not probing:
+            self._credit = min(self._credit + self.rate, float(self.max_per_event))
+            n = int(self._credit)
+            self._credit -= n
+        self._loaded = in_flight + n > 0
+        return n
+
+    def skip(self, in_flight: int) -> None:
+        """An event outside the stalls (nothing measured, nothing queued): the next step is loaded
+        only by what is still in flight."""
+        self._loaded = in_flight > 0
