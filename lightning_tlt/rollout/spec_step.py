@@ -136,11 +136,14 @@ class SpeculativeStep:
         self.vocab = vocab
         self._verify_update = verify_update
         self._draft_sample = draft_sample
-        self._drafter_rows = drafter_rows
+        self._catch_up_rows = self._chain_row = drafter_rows
         if compile:
-            self._verify_update = torch.compile(verify_update, fullgraph=True)
-            self._draft_sample = torch.compile(draft_sample, fullgraph=True)
-            self._drafter_rows = torch.compile(drafter_rows, fullgraph=True)
+            # dynamic from the start: one compilation per function serves every batch bucket and k
+            # (the catch-up block and the chained single row are compiled apart: their q differs)
+            self._verify_update = torch.compile(verify_update, fullgraph=True, dynamic=True)
+            self._draft_sample = torch.compile(draft_sample, fullgraph=True, dynamic=True)
+            self._catch_up_rows = torch.compile(drafter_rows, fullgraph=True, dynamic=True)
+            self._chain_row = torch.compile(drafter_rows, fullgraph=True, dynamic=True)
         self._head: tuple[Tensor, Tensor | None, Tensor | None] | None = None  # (rows, bias, ids)
         self._host_probs: Tensor | None = None  # (R, K, V) a host drafter's distributions
         self._contexts: dict[int, list[int]] = {}  # request index -> prompt + completion (host drafters)
@@ -279,7 +282,7 @@ class SpeculativeStep:
         chain_pos[:, width:] = (base + valid - 1)[:, None] + steps[None, 1:k]
         cos, sin = rope_cos_sin(chain_pos, drafter.inv_freq, drafter.rope_scaling, drafter.fc.weight.dtype)
         dk, dv = spec.dcache.k[0], spec.dcache.v[0]
-        pred = self._drafter_rows(drafter, feats, toks, chain_pos[:, :width], dk, dv, hole,
+        pred = self._catch_up_rows(drafter, feats, toks, chain_pos[:, :width], dk, dv, hole,
                                   cos[:, :width], sin[:, :width], ctx.attention)  # (B, W, H)
         rows = torch.arange(batch, device=base.device)
         feature = pred[rows, valid - 1]  # (B, H): the predicted feature of the pending token's position
@@ -288,7 +291,7 @@ class SpeculativeStep:
         for j in range(k):
             if j > 0:
                 p = width + j - 1
-                feature = self._drafter_rows(drafter, feature[:, None], token[:, None], chain_pos[:, p : p + 1],
+                feature = self._chain_row(drafter, feature[:, None], token[:, None], chain_pos[:, p : p + 1],
                                              dk, dv, hole, cos[:, p : p + 1], sin[:, p : p + 1], ctx.attention)[:, 0]
             index, q = self._draft_sample(feature, head, bias, None if noise is None else noise[j], sampling)
             token = index if ids is None else ids[index]

@@ -232,17 +232,26 @@ def chi_square_quantile(df: int, z: float = 3.0902) -> float:
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-def speculative_chi_square(method: str, samples: int = 4000) -> tuple[float, int, dict[str, float]]:
-    """Chi-square statistic of ``samples`` speculative 3-token rollouts against the exact distribution."""
+def speculative_chi_square(
+    method: str, samples: int = 4000, top_p: float = 1.0, draft_vocab_size: int | None = None
+) -> tuple[float, int, dict[str, float]]:
+    """Chi-square statistic of ``samples`` speculative 3-token rollouts against the exact distribution.
+
+    256 slots for 4,000 samples: rows are admitted in waves while the engine speculates.
+    """
     model = tiny_vocab_model()
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # repetitive: the suffix drafter proposes, and is often wrong
-    cfg = SamplingConfig(temperature=1.0, top_k=6, max_new_tokens=3, stop_token_ids=[])
+    cfg = SamplingConfig(temperature=1.0, top_k=6, top_p=top_p, max_new_tokens=3, stop_token_ids=[])
     exact = exact_sequence_probs(model, prompt, 3, cfg)
     engine = RolloutEngine(model, max_seq_len=16, max_batch_size=256,
                            speculative=SpeculativeConfig(method="suffix" if method == "suffix" else "eagle",
-                                                         num_draft_tokens=3, threshold=256, hysteresis_steps=1))
-    if method == "eagle":  # an untrained drafter: many rejections
+                                                         num_draft_tokens=3, threshold=256, hysteresis_steps=1,
+                                                         draft_vocab_size=draft_vocab_size))
+    if method in ("eagle", "nan"):  # an untrained drafter: many rejections
         engine.drafter = EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(0)).inference_copy()
+        if method == "nan":  # a diverged drafter (bypassing set_drafter's refusal): its q is NaN everywhere
+            with torch.no_grad():
+                engine.drafter.fc.weight.fill_(float("nan"))
     elif method == "policy":
         engine.drafter = PolicyDrafter(model)
     out = engine.generate([prompt], cfg, num_samples=samples, generator=torch.Generator().manual_seed(0))

@@ -286,3 +286,52 @@ def test_exact_identity_property(vocab: int, temperature: float, top_k: int, top
     q = processed_probs(random_logits((4, vocab), gen), temperature, top_k, top_p)
     a, r = acceptance_probs(p, q), residual_probs(p, q)
     torch.testing.assert_close(q * a + (1 - (q * a).sum(-1, keepdim=True)) * r, p, atol=1e-6, rtol=0)
+
+
+def test_non_finite_draft_distributions_are_rejections() -> None:
+    """A NaN/inf drafter proposes nothing: never accepted, and the emitted token is distributed as p
+    (today's bug: ``acceptance_probs`` sent NaN to its ``p > 0`` branch and accepted it)."""
+    gen = torch.Generator().manual_seed(31)
+    p = processed_probs(random_logits((10,), gen, zero_frac=0.0), 1.0)
+    n, k = 40_000, 3
+    tokens = torch.randint(0, 10, (n, k), generator=gen)
+    q = torch.full((n, k, 10), float("nan"))
+    q[: n // 2, 1:] = 0.1  # half the rows: position 0 NaN, later ones finite (still never reached)
+    q[n // 2 :, :, 3] = float("inf")
+    out = verify_chain(tokens, q, p.expand(n, k + 1, 10), None, gen)
+    assert torch.all(out.num_accepted == 0)
+    assert chi_square_pvalue(torch.bincount(out.tokens[:, 0], minlength=10), p) > ALPHA
+    assert torch.equal(acceptance_probs(torch.tensor([0.5, 0.5]), torch.tensor([float("nan"), float("inf")])),
+                       torch.zeros(2))
+
+
+def test_a_finite_prefix_is_verified_before_a_non_finite_position() -> None:
+    """Drafts before the first non-finite position are verified as usual (q = p there: all accepted)."""
+    gen = torch.Generator().manual_seed(32)
+    p = processed_probs(random_logits((10,), gen, zero_frac=0.0), 1.0)
+    n = 5_000
+    tokens = torch.multinomial(p.expand(n, 10), 2, replacement=True, generator=gen)
+    q = p.expand(n, 2, 10).clone()
+    q[:, 1] = float("nan")
+    out = verify_chain(tokens, q, p.expand(n, 3, 10), None, gen)
+    assert torch.all(out.num_accepted == 1)  # position 0 (q = p) accepted, position 1 never
+    assert chi_square_pvalue(torch.bincount(out.tokens[:, 1], minlength=10), p) > ALPHA
+
+
+def test_draft_vocabulary_keeps_verification_exact() -> None:
+    """q over a draft vocabulary (4 of 10 tokens): the emitted token is still distributed as p, and the
+    acceptance rate is its closed form sum over the draft vocabulary of min(p, q)."""
+    gen = torch.Generator().manual_seed(33)
+    p = processed_probs(random_logits((10,), gen, zero_frac=0.0), 1.0)
+    vocab_ids = torch.tensor([1, 4, 5, 8])
+    q_small = processed_probs(random_logits((4,), gen, zero_frac=0.0), 1.0)
+    n = 60_000
+    index = torch.multinomial(q_small.expand(n, 4), 1, replacement=True, generator=gen)  # (n, 1)
+    out = verify_chain(vocab_ids[index], q_small.expand(n, 1, 4), p.expand(n, 2, 10), None, gen,
+                       draft_vocab=vocab_ids, draft_index=index)
+    assert chi_square_pvalue(torch.bincount(out.tokens[:, 0], minlength=10), p) > ALPHA
+    rate = torch.minimum(p[vocab_ids], q_small).sum()
+    sigma = (rate * (1 - rate) / n).sqrt()
+    assert abs(out.num_accepted.float().mean() - rate) < 5 * sigma
+    with pytest.raises(ValueError, match="draft_vocab needs draft_index"):
+        verify_chain(vocab_ids[index], q_small.expand(n, 1, 4), p.expand(n, 2, 10), None, gen, draft_vocab=vocab_ids)

@@ -1,0 +1,203 @@
+"""The rebuilt speculative step: one slot state, never lossy, never slower than plain, safe drafter swaps.
+
+Tiny models on the CPU, seeded. The losslessness tests count whole sampled sequences against the
+policy's exact distribution (chi-square, see ``test_spec_engine.py``); the tuner tests inject a
+deterministic cost model so that "which arm is faster" is a fact of the test, not of the machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+from test_spec_engine import PolicyDrafter, chi_square_quantile, speculative_chi_square, tiny_vocab_model
+from transformers import PreTrainedModel
+
+from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig, StepEvent
+from lightning_tlt.drafters.eagle import EagleDrafter
+from lightning_tlt.models.zoo import build_model
+from lightning_tlt.rollout.cuda_graphs import CUDAGraphProfileCache
+from lightning_tlt.rollout.engine import RolloutEngine
+
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=14, stop_token_ids=[])
+
+
+def eagle_engine(model: PreTrainedModel, slots: int, **spec: object) -> RolloutEngine:
+    config = SpeculativeConfig(**{"method": "eagle", "num_draft_tokens": 3, "threshold": slots,
+                                  "hysteresis_steps": 1, **spec})  # type: ignore[arg-type]
+    engine = RolloutEngine(model, max_seq_len=48, max_batch_size=slots, speculative=config)
+    engine.drafter = EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(0)).inference_copy()
+    return engine
+
+
+# ------------------------------------------------------------------------- one slot state
+def test_rows_admitted_while_speculating_start_their_own_history() -> None:
+    """A request admitted into a slot while the engine speculates inherits nothing of the slot's previous
+    request: its drafter history is its own prompt (run through the drafter at prefill), and its
+    speculation (drafts, acceptance) is exactly that of the same request in a fresh engine."""
+    model = build_model("llama", "tiny", seed=0)
+    first, second = [4, 5, 6, 7, 8, 9], [20, 21, 22, 23]
+    seen: dict[str, object] = {}
+    engine = eagle_engine(model, slots=1)
+    drafter = engine.drafter
+
+    def at_prefill(event: StepEvent) -> None:
+        st = engine._state
+        assert st is not None and st.spec is not None and st.spec.dcache is not None
+        if event.phase == "prefill" and event.step > 1:  # the second request, admitted mid-call
+            seen.update(prefix_end=int(st.spec.prefix_end[0]), start=int(st.spec.draft_start[0]),
+                        fresh=bool(st.spec.cu_fresh[0]), keys=st.spec.dcache.k[0][0, : len(second) - 1].clone())
+
+    engine.add_listener(at_prefill)
+    both = engine.generate([first, second], GREEDY)
+    assert both.stats["spec/speculative_step_share"] == 1.0  # every decode step of the call speculated
+    assert seen["prefix_end"] == seen["start"] == len(second) - 2 and seen["fresh"] is False
+    # its drafter cache holds its own prompt: the drafter over (h_t, x_{t+1}) at positions 0..P-2
+    with torch.no_grad():
+        hidden = model(torch.tensor([second]), output_hidden_states=True).hidden_states[-1]
+        x = drafter.input_hidden(hidden[:, :-1], torch.tensor([second[1:]]))
+        layer = drafter.layer.self_attn
+        keys = layer.k_proj(x).view(1, len(second) - 1, drafter.num_kv_heads, drafter.head_dim)
+    from lightning_tlt.core.runner import apply_rope, rope_cos_sin
+
+    cos, sin = rope_cos_sin(torch.arange(len(second) - 1)[None], drafter.inv_freq, drafter.rope_scaling, keys.dtype)
+    torch.testing.assert_close(seen["keys"], apply_rope(keys, cos, sin)[0], atol=1e-5, rtol=1e-5)
+    # the second request's speculation equals a fresh engine's: counters(first, second) - counters(first)
+    alone_first = eagle_engine(model, slots=1)
+    alone_first.drafter = drafter
+    alone_first.generate([first], GREEDY)
+    counters_first = alone_first._state.counters.clone()
+    alone_second = eagle_engine(model, slots=1)
+    alone_second.drafter = drafter
+    out = alone_second.generate([second], GREEDY)
+    torch.testing.assert_close(engine._state.counters - counters_first, alone_second._state.counters)
+    assert both.completion_ids[1] == out.completion_ids[0]
+
+
+# ------------------------------------------------------------------------- never lossy
+@pytest.mark.parametrize(
+    ("method", "kwargs"),
+    [("nan", {}), ("eagle", {"top_p": 0.8}), ("eagle", {"draft_vocab_size": 6}), ("policy", {"top_p": 0.8})],
+)
+def test_lossless_for_nan_drafters_top_p_and_draft_vocabularies(method: str, kwargs: dict[str, object]) -> None:
+    """Whole 3-token sequences sampled through the engine (rows admitted in waves while it speculates)
+    follow the policy's exact distribution: a drafter with NaN weights, top-p < 1 with top-k, and a
+    draft vocabulary of 6 of the 10 tokens."""
+    chi2, df, stats = speculative_chi_square(method, **kwargs)
+    assert df >= (15 if "top_p" in kwargs else 50)
+    assert chi2 < chi_square_quantile(df), (chi2, df)
+    assert stats["spec/steps"] > 0
+    if method == "nan":
+        assert all(v == 0.0 for key, v in stats.items() if key.startswith("spec/acceptance_rate_pos"))
+
+
+def test_a_nan_drafter_is_refused_by_set_drafter(tiny_qwen2: PreTrainedModel) -> None:
+    engine = eagle_engine(tiny_qwen2, slots=2)
+    current = engine.drafter
+    bad = EagleDrafter.from_target(tiny_qwen2)
+    with torch.no_grad():
+        bad.fc.weight[0, 0] = float("nan")
+    with pytest.warns(UserWarning, match="refusing to publish a drafter with non-finite weights"):
+        assert engine.set_drafter(bad, version=7) is False
+    assert engine.drafter is current and engine.drafter_version == 0
+    good = EagleDrafter.from_target(tiny_qwen2, generator=torch.Generator().manual_seed(3))
+    assert engine.set_drafter(good, version=8) and engine.drafter is current  # same layout: copied in place
+    assert torch.equal(current.fc.weight, good.fc.weight.to(current.fc.weight.dtype)) and engine.drafter_version == 8
+
+
+# ------------------------------------------------------------------------- never slower than plain
+def cost_model(k: int, rows: int) -> float:
+    """A speculative step drafting k tokens costs 1 + 0.5 k plain steps (a slow drafter)."""
+    return 1e-3 * (1.0 + 0.5 * k)
+
+
+def tuned_engine(model: PreTrainedModel, drafter: object) -> RolloutEngine:
+    config = SpeculativeConfig(method="eagle", num_draft_tokens=None, draft_candidates=(2, 4, 8), threshold=8,
+                               hysteresis_steps=1, tuner_epsilon=0.0, tuner_min_samples=2)
+    engine = RolloutEngine(model, max_seq_len=96, max_batch_size=8, speculative=config)
+    engine.drafter = drafter
+    assert engine.tuner is not None
+    engine.tuner.cost_model = cost_model
+    return engine
+
+
+def test_tuner_settles_on_plain_decoding_with_a_useless_drafter() -> None:
+    model = tiny_vocab_model()  # peaked distributions: an untrained drafter's drafts are mostly rejected
+    cold = EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(0)).inference_copy()
+    engine = tuned_engine(model, cold)
+    phases: list[str] = []
+    engine.add_listener(lambda e: phases.append(e.phase))
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=60, stop_token_ids=[])
+    engine.generate([[1, 2, 3]], cfg, num_samples=2, generator=torch.Generator().manual_seed(0))
+    steps = [p for p in phases if p in ("decode", "speculative")]
+    # each of the 3 drafting arms is tried min_samples = 2 times, then plain wins for good (a bucket
+    # first met at the very end, when a row has finished, starts exploring anew: at most 3 more steps)
+    assert steps.count("speculative") <= 6 + 3
+    assert set(steps[10:-3]) == {"decode"} and len(steps) > 40
+    assert engine.tuner.best(2) == 0
+
+
+def test_tuner_keeps_speculating_with_a_drafter_equal_to_the_policy() -> None:
+    model = build_model("qwen2", "tiny", seed=0)
+    engine = tuned_engine(model, PolicyDrafter(model))
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=60, stop_token_ids=[])
+    out = engine.generate([[5, 6, 7]], cfg, num_samples=2, generator=torch.Generator().manual_seed(0))
+    assert engine.tuner.best(2) == 8  # every draft accepted: 9 tokens for 5 steps' cost beats 1 for 1
+    assert out.stats["spec/speculative_step_share"] > 0.8
+
+
+# ------------------------------------------------------------------------- drafter swaps
+@dataclass
+class _Replayable:
+    fn: Callable[[], None]
+    nbytes: int
+
+    def replay(self) -> None:
+        self.fn()
+
+
+class CountingBackend:
+    """Captures by keeping the function (an eager stand-in for a CUDA graph)."""
+
+    def capture(self, fn: Callable[[], None]) -> _Replayable:
+        return _Replayable(fn, 1)
+
+
+def test_twenty_drafter_swaps_keep_the_graph_cache_bounded() -> None:
+    model = build_model("qwen2", "tiny", seed=0)
+    engine = eagle_engine(model, slots=2)
+    engine._ensure_buffers()
+    engine._graphs = CUDAGraphProfileCache(CountingBackend(), max_batch=2)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=8, stop_token_ids=[])
+    sizes = []
+    for i in range(20):
+        engine.drafter = EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(i)).inference_copy()
+        engine.generate([[5, 6], [7, 8, 9]], cfg, generator=torch.Generator().manual_seed(i))
+        sizes.append(len(engine._graphs))
+        assert all(p.extra[1] == engine._drafter_handle for p in engine._graphs._graphs if p.phase == "spec")
+    assert max(sizes) == sizes[0]  # a replaced drafter's graphs are freed, never accumulated
+
+
+# ------------------------------------------------------------------------- draft vocabulary
+def test_drafts_come_from_the_draft_vocabulary() -> None:
+    model = build_model("qwen2", "tiny", seed=0)
+    engine = eagle_engine(model, slots=4, draft_vocab_size=16)
+    drafted: list[int] = []
+
+    def record(event: StepEvent) -> None:
+        st = engine._state
+        if event.phase == "speculative" and st is not None and st.spec is not None:
+            drafted.extend(st.spec.draft_tokens[: event.active_rows + 1, :3].flatten().tolist())
+
+    engine.add_listener(record)
+    allowed = set(engine._vocab.ids().tolist())
+    assert allowed == set(range(16))  # before any rollout is counted: the first ids
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=20, stop_token_ids=[])
+    engine.generate([[5, 6, 7], [40, 41]], cfg, num_samples=2, generator=torch.Generator().manual_seed(0))
+    assert drafted and set(drafted) <= allowed
+    # after the call the vocabulary follows the policy's own rollouts: its most frequent tokens
+    counts = engine._vocab.counts
+    top = set(torch.argsort(-counts, stable=True)[:16].tolist())
+    assert set(engine._vocab.ids().tolist()) == top and counts.sum() == 2 * 2 * 20
