@@ -1,18 +1,20 @@
-"""Tail-phase throughput with speculation on vs off, for the suffix and a trained EAGLE drafter.
+"""Tail throughput with speculation on vs off on a Qwen2.5-0.5B-shaped policy, and the speculative step's cost.
 
-Issue 3's benchmark (and issue 4's co-training overhead), in one process on one GPU:
+Issue 13's benchmark, in one process on one GPU:
 
-1. warm-start (SFT) the ~0.4 B zoo policy on a long-tail task (``warm_start``, cached);
-2. sample the policy's own rollouts and train an EAGLE drafter on them offline (the loss and step
-   of `DrafterCoTrainCallback`, run back to back instead of in stalls);
-3. generate the same held-out requests (temperature 1) with speculation off, with the suffix drafter
-   and with the trained EAGLE drafter; every engine step event is binned by its number of active
-   rows (1, 2-4, 5-8, 9-16, 17-32, 33+), so tokens/s is measured in the tail phases that the issue
-   names, on the natural length distribution;
-4. co-training overhead: the EAGLE run again with a `DrafterCoTrainCallback` training in the stalls
-   (no Trainer: its stall listener is attached to the engine), rollout time on vs off.
+1. warm-start (SFT) the zoo's ``400m`` body on a long-tail task (cached), then widen its embedding
+   and LM head to Qwen2.5-0.5B's 151,936 rows (the kit's tokenizer uses the first ids; the new head
+   rows are 0), so every per-token cost (head, sampling, drafter head) is the real model's;
+2. sample the policy's own rollouts and train an EAGLE drafter on them offline (the captured
+   drafter train step of `DrafterCoTrainCallback`, back to back instead of in stalls);
+3. generate the same held-out requests at temperature 1 with speculation off, with the trained
+   EAGLE drafter and with an untrained one (the tuner choosing k, k = 0 included); every engine step
+   is binned by its active rows (1, 2-4, 5-8, 9-16, 17-32, 33+): tokens/s per bin, acceptance, k;
+4. the speculative step's cost: CUDA-graph replay of one EAGLE step with k = 4 (draft chain and
+   verify) over one plain decode step, at batch 1 and 8.
 
-Prints a table and writes JSON under ``benchmarks/results/``.
+Prints a table and writes JSON under ``benchmarks/results/`` with ``"summary"``:
+``spec_step_cost_k4_b1``, ``tail_speedup_rows_1_8``, ``accept_len``, ``cold_drafter_tail_ratio``.
 
 GPU: ``python benchmarks/speculative.py``; CPU smoke check: ``python benchmarks/speculative.py --smoke``.
 """
@@ -20,6 +22,7 @@ GPU: ``python benchmarks/speculative.py``; CPU smoke check: ``python benchmarks/
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as dt
 import json
 import platform
@@ -28,15 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import graph_replay_ms
 
-from lightning_tlt.callbacks.drafter_cotrain import (
-    DrafterCoTrainCallback,
-    DrafterCoTrainConfig,
-    publish_drafter,
-)
+from lightning_tlt.callbacks.drafter_cotrain import DrafterCoTrainCallback, DrafterCoTrainConfig
 from lightning_tlt.core.types import RolloutOutput, SamplingConfig, SpeculativeConfig, StepEvent
 from lightning_tlt.data.tasks import get_task
-from lightning_tlt.drafters.suffix import SuffixDrafter
+from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.models.tokenizer import encode_prompt
 from lightning_tlt.models.warmstart import warm_start
 from lightning_tlt.rollout.engine import RolloutEngine
@@ -117,19 +117,64 @@ def harvest(policy: torch.nn.Module, out: RolloutOutput, pad_id: int, device: st
             "completion_mask": comp.to(device)}
 
 
+def widen_vocab(model: Any, vocab_size: int) -> Any:
+    """The same model with ``vocab_size`` embedding and head rows (old rows copied, new head rows 0)."""
+    if model.config.vocab_size >= vocab_size:
+        return model
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)
+    config.vocab_size = vocab_size
+    with torch.device(model.device):
+        wide = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+    state = model.state_dict()
+    old = model.config.vocab_size
+    with torch.no_grad():
+        for name, tensor in wide.state_dict().items():
+            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                tensor.zero_()
+                tensor[:old] = state[name]
+            else:
+                tensor.copy_(state[name])
+    wide.generation_config = model.generation_config
+    return wide.eval()
+
+
+def tail_rate(binner_rates: dict[str, dict[str, float]], bins: tuple[str, ...] = ("1", "2-4", "5-8")) -> float:
+    tokens = sum(binner_rates[b]["tokens"] for b in bins)
+    seconds = sum(binner_rates[b]["seconds"] for b in bins)
+    return tokens / seconds if seconds > 0 else float("nan")
+
+
+def step_cost(policy: Any, drafter: Any, prompt: list[int], longest: int, batch: int, k: int) -> dict[str, Any]:
+    """Replay times of one plain decode step and one EAGLE step of k drafts, same rows (``batch`` of ``prompt``)."""
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=48, stop_token_ids=[])
+    plain = RolloutEngine(policy, max_batch_size=batch, max_seq_len=longest)
+    plain.generate([prompt], sampling, num_samples=batch, generator=torch.Generator().manual_seed(0))
+    spec = SpeculativeConfig(method="eagle", num_draft_tokens=k, threshold=batch, hysteresis_steps=1)
+    fixed = RolloutEngine(policy, max_batch_size=batch, max_seq_len=longest, speculative=spec)
+    fixed.drafter = drafter
+    fixed.generate([prompt], sampling, num_samples=batch, generator=torch.Generator().manual_seed(0))
+    decode = graph_replay_ms(plain, batch, "decode", 1)
+    speculative = graph_replay_ms(fixed, batch, "spec", k + 1, width=k + 1)
+    return {"decode_ms": decode, f"spec_k{k}_ms": speculative,
+            "ratio": speculative / decode if decode and speculative else None}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="countdown")
     p.add_argument("--difficulty", type=int, default=2)
     p.add_argument("--arch", default="qwen2")
     p.add_argument("--size", default="400m")
-    p.add_argument("--sft-steps", type=int, default=300)
-    p.add_argument("--sft-batch", type=int, default=64)
+    p.add_argument("--vocab-size", type=int, default=151936, help="widen the policy's vocabulary to this")
+    p.add_argument("--sft-steps", type=int, default=200)
+    p.add_argument("--sft-batch", type=int, default=32)
     p.add_argument("--sft-lr", type=float, default=5e-4)
     p.add_argument("--train-prompts", type=int, default=64, help="prompts (x4 samples) of drafter training data")
     p.add_argument("--drafter-steps", type=int, default=600)
     p.add_argument("--drafter-lr", type=float, default=1e-3)
-    p.add_argument("--prompts", type=int, default=96, help="held-out requests per measured generate")
+    p.add_argument("--prompts", type=int, default=64, help="held-out requests per measured generate")
     p.add_argument("--slots", type=int, default=32, help="engine slots: the bulk phase runs at this batch")
     p.add_argument("--max-new", type=int, default=1024)
     p.add_argument("--threshold", type=int, default=32)
@@ -140,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.smoke:
         args.size, args.sft_steps, args.sft_batch, args.train_prompts, args.drafter_steps = "tiny", 30, 16, 4, 20
         args.prompts, args.slots, args.max_new, args.task, args.difficulty = 8, 4, 48, "arithmetic", 1
-        args.threshold = 4
+        args.threshold, args.vocab_size = 4, 0
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -149,13 +194,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                                "card": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
                                "versions": {"torch": torch.__version__}}
+    out_path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / ("smoke" if args.smoke else "") / (
+        f"speculative_{'smoke' if args.smoke else device}_{dt.date.today():%Y%m%d}.json")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def dump() -> None:
+        out_path.write_text(json.dumps(results, indent=1, default=float))
 
     t0 = time.perf_counter()
     policy, tokenizer = warm_start(args.task, args.arch, args.size, difficulty=args.difficulty, seed=0,
                                    steps=args.sft_steps, batch_size=args.sft_batch, lr=args.sft_lr,
                                    cache_dir=args.cache_dir, device=device, progress=False)
-    results["sft_s"] = time.perf_counter() - t0
-    policy = policy.to(device=device, dtype=dtype).eval()
+    policy = widen_vocab(policy.to(device=device, dtype=dtype).eval(), args.vocab_size)
+    results["policy"] = {"params": sum(p.numel() for p in policy.parameters()),
+                         "vocab_size": policy.config.vocab_size, "warm_start_s": time.perf_counter() - t0}
+    print(f"[speculative] policy {results['policy']}", flush=True)
     train = task.make_dataset(args.train_prompts, difficulty=args.difficulty, seed=1, split="train")
     test = task.make_dataset(args.prompts, difficulty=args.difficulty, seed=2, split="test")
     train_ids = [encode_prompt(tokenizer, x) for x in train["prompt"]]
@@ -167,8 +220,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     off = RolloutEngine(policy, max_batch_size=args.slots, max_seq_len=longest)
     t0 = time.perf_counter()
     data_out = off.generate(train_ids, sampling, num_samples=4, generator=torch.Generator().manual_seed(0))
-    results["warmup_and_data_s"] = time.perf_counter() - t0
-    out_off, bins_off, wall_off = timed_generate(off, test_ids, sampling, 1, seed=7)
+    results["data_s"] = time.perf_counter() - t0
+    runs: dict[str, Any] = {"off": timed_generate(off, test_ids, sampling, 1, seed=7)}
+    print(f"[speculative] off: {runs['off'][2]:.2f} s", flush=True)
 
     # --- train an EAGLE drafter offline on the policy's own rollouts
     cb = DrafterCoTrainCallback(DrafterCoTrainConfig(learning_rate=args.drafter_lr, batch_size=16, max_len=512,
@@ -183,54 +237,54 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     steps = cb.learner.enqueue(args.drafter_steps, block=True)  # the captured step, replayed back to back
     cb.learner.wait()
     _sync()
-    results["drafter_train"] = {"steps": steps, "seconds": time.perf_counter() - t0,
-                                "sequences": len(cb.buffer), "params": sum(p.numel() for p in drafter.parameters())}
+    results["drafter_train"] = {"steps": steps, "seconds": time.perf_counter() - t0, "sequences": len(cb.buffer)}
+    print(f"[speculative] drafter: {results['drafter_train']}", flush=True)
+    trained = drafter.inference_copy().to(dtype)
+    cold = EagleDrafter.from_target(policy, generator=torch.Generator().manual_seed(1)).inference_copy()
+    dump()
 
-    # --- speculation on: suffix drafter, then the trained EAGLE drafter, in one engine (one compile)
-    spec = SpeculativeConfig(method="suffix", threshold=args.threshold, hysteresis_steps=1)
-    on = RolloutEngine(policy, max_batch_size=args.slots, max_seq_len=longest, speculative=spec)
-    on.generate(train_ids[:4], sampling, num_samples=1, generator=torch.Generator().manual_seed(1))  # compile
-    runs: dict[str, Any] = {"off": (out_off, bins_off, wall_off)}
-    runs["suffix"] = timed_generate(on, test_ids, sampling, 1, seed=7)
-    on.drafter = SuffixDrafter()  # forget what the suffix run learned of these prompts
-    inference = drafter.inference_copy().to(dtype)
-    publish_drafter(on, inference, version=1)
-    on.generate(train_ids[:4], sampling, num_samples=1, generator=torch.Generator().manual_seed(1))  # capture
-    runs["eagle"] = timed_generate(on, test_ids, sampling, 1, seed=7)
-
-    # --- co-training overhead: the same EAGLE rollout with the stall listener training
-    on.add_listener(cb.on_step_event)
-    runs["eagle+cotrain"] = timed_generate(on, test_ids, sampling, 1, seed=7)
-    on.remove_listener(cb.on_step_event)
-    results["cotrain_steps_in_stalls"] = cb.learner.steps_enqueued - steps
-
+    # --- speculation on: the trained drafter, then an untrained one (the tuner picks k, 0 included)
+    spec = SpeculativeConfig(method="eagle", threshold=args.threshold, hysteresis_steps=1)
+    for name, d in (("eagle", trained), ("cold", cold)):
+        on = RolloutEngine(policy, max_batch_size=args.slots, max_seq_len=longest, speculative=spec)
+        on.drafter = d
+        runs[name] = timed_generate(on, test_ids, sampling, 1, seed=7)
+        tuner = on.tuner
+        results.setdefault("chosen_k", {})[name] = {
+            str(b): tuner.best(r) for b, r in zip(range(4), (1, 4, 20, 21))} if tuner is not None else None
+        results.setdefault("graphs", {})[name] = on.graph_stats
+        print(f"[speculative] {name}: {runs[name][2]:.2f} s, {runs[name][0].stats.get('spec/acceptance_length')}",
+              flush=True)
+        del on
     table = {}
     for name, (out, binner, wall) in runs.items():
         tokens = sum(len(c) for c in out.completion_ids)
-        table[name] = {
-            "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "bins": binner.rates(),
-            "spec": {k: v for k, v in out.stats.items() if k.startswith("spec/")},
-            "lengths_p50_max": [sorted(len(c) for c in out.completion_ids)[len(out) // 2],
-                                max(len(c) for c in out.completion_ids)],
-        }
+        lengths = sorted(len(c) for c in out.completion_ids)
+        table[name] = {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "bins": binner.rates(),
+                       "spec": {k: v for k, v in out.stats.items() if k.startswith(("spec/", "tuner/"))},
+                       "lengths_p50_max": [lengths[len(lengths) // 2], lengths[-1]]}
     results["runs"] = table
-    base = table["off"]
-    results["ratios"] = {
-        f"{name}_over_off": {
-            "rollout": base["wall_s"] / r["wall_s"],
-            **{f"rows_{b}": r["bins"][b]["tokens_per_s"] / base["bins"][b]["tokens_per_s"]
-               for b in r["bins"] if base["bins"][b]["tokens_per_s"] == base["bins"][b]["tokens_per_s"]
-               and base["bins"][b]["tokens"] > 0},
-        }
-        for name, r in table.items() if name != "off"
+    dump()
+
+    # --- the speculative step's cost, graph replays of the same rows
+    costs = {}
+    for batch in (1, 8):
+        try:
+            costs[f"b{batch}"] = step_cost(policy, trained, test_ids[0], longest, batch, 4)
+        except Exception as err:  # report, keep the rest
+            costs[f"b{batch}"] = {"error": repr(err)}
+    results["step_cost"] = costs
+    off_tail = tail_rate(table["off"]["bins"])
+    results["summary"] = {
+        "spec_step_cost_k4_b1": costs["b1"].get("ratio"),
+        "spec_step_cost_k4_b8": costs["b8"].get("ratio"),
+        "tail_speedup_rows_1_8": tail_rate(table["eagle"]["bins"]) / off_tail,
+        "accept_len": table["eagle"]["spec"].get("spec/acceptance_length"),
+        "cold_drafter_tail_ratio": tail_rate(table["cold"]["bins"]) / off_tail,
+        "rollout_speedup": table["off"]["wall_s"] / table["eagle"]["wall_s"],
     }
-    results["cotrain_overhead"] = table["eagle+cotrain"]["wall_s"] / table["eagle"]["wall_s"] - 1.0
-    results["graphs"] = {"off": off.graph_stats, "on": on.graph_stats}
     print_table(results)
-    out_path = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / ("smoke" if args.smoke else "") / (
-        f"speculative_{'smoke' if args.smoke else device}.json")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(results, indent=1, default=float))
+    dump()
     print(f"[speculative] wrote {out_path}")
     return results
 
@@ -255,8 +309,9 @@ def print_table(results: dict[str, Any]) -> None:
             print(f"  {n}: acceptance length {spec.get('spec/acceptance_length', float('nan')):.2f}, "
                   f"speculative share {spec.get('spec/speculative_step_share', float('nan')):.2f}")
     print(f"  drafter: {results['drafter_train']}")
-    print(f"  co-training overhead on the EAGLE rollout: {100 * results['cotrain_overhead']:+.1f} % "
-          f"({results['cotrain_steps_in_stalls']} drafter steps in stalls)")
+    print(f"  chosen k by bucket (1, 2-4, 5-20, 21+): {results.get('chosen_k')}")
+    print(f"  step cost: {results.get('step_cost')}")
+    print("summary:", json.dumps(results["summary"], indent=1))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
+SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
 
 
 def git(*args: str) -> subprocess.CompletedProcess[str]:

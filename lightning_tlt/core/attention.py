@@ -71,18 +71,14 @@ def default_backend(device: torch.device) -> str:
 
 
 def split_size_for(batch: int, num_kv_heads: int) -> int:
-    """Positions per split-K program: short splits when few (row, KV head) pairs must fill the GPU.
+    """Positions per split-K program, chosen by measurement (H200, 14/2 heads, ``docs/engine.md``).
 
-    The grid has ``batch * num_kv_heads * ceil(T / split)`` programs of which only those below
-    each row's length work; small batches need short splits to spread one row's keys over many
-    multiprocessors, large ones longer splits to keep the merge cheap.
+    The grid has ``batch * num_kv_heads * ceil(T / split)`` programs, of which only those below
+    each row's length work. 256 positions was the fastest split from batch 1 to 32 for 1, 5, 9 and
+    17 query rows (64 paid for an extra merge pass over many partials, 512 for too little
+    parallelism at small batch); 512 edged it at batch 128.
     """
-    pairs = batch * num_kv_heads
-    if pairs <= 8:
-        return 64
-    if pairs <= 64:
-        return 128
-    return 256
+    return 512 if batch * num_kv_heads > 128 else 256
 
 
 # --------------------------------------------------------------------------------------- reference

@@ -89,14 +89,20 @@ class CUDAGraphBackend:
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
+        # what the capture takes from the device: the allocator's reserve, and (device-wide) the
+        # graph's own instantiation; the larger of the two (measured on the H200, the reserve alone
+        # read 0: the shared pool had room from the warm-up)
         before = torch.cuda.memory_reserved(self.device)
+        free_before, _ = torch.cuda.mem_get_info(self.device)
         graph = torch.cuda.CUDAGraph()
         for gen in self.generators:
             graph.register_generator_state(gen)
         with torch.cuda.graph(graph, pool=self.pool, stream=stream):
             fn()
         torch.cuda.synchronize(self.device)
-        return _CudaCaptured(graph, max(0, torch.cuda.memory_reserved(self.device) - before))
+        free_after, _ = torch.cuda.mem_get_info(self.device)
+        held = max(torch.cuda.memory_reserved(self.device) - before, free_before - free_after, 0)
+        return _CudaCaptured(graph, held)
 
 
 @dataclass

@@ -136,4 +136,4 @@ def test_bad_shapes_are_refused() -> None:
 
 
 def test_split_size_grows_with_the_batch() -> None:
-    assert split_size_for(1, 2) == 64 and split_size_for(32, 2) == 128 and split_size_for(128, 2) == 256
+    assert split_size_for(1, 2) == 256 and split_size_for(32, 2) == 256 and split_size_for(128, 2) == 512
