@@ -49,7 +49,8 @@ _EXPORTS: dict[str, str] = {
     "TASKS": "lightning_tlt.data.tasks",
     "get_task": "lightning_tlt.data.tasks",
     # data
-    "RolloutBatch": "lightning_tlt.data.batch",
+    "RolloutBatch": "lightning_tlt.rl.batch",
+    "RolloutSettings": "lightning_tlt.rl.batch",
     "RolloutDataModule": "lightning_tlt.data.datamodule",
     # rl
     "SFTModule": "lightning_tlt.rl.sft",

@@ -28,24 +28,13 @@ from lightning_tlt.core.types import (
     SpeculativeConfig,
     StepListener,
 )
-from lightning_tlt.data.batch import RolloutBatch, pad_left, pad_right
 from lightning_tlt.data.rewards import OnRewardError, RewardFunc, compute_rewards, reward_func_name
-from lightning_tlt.rl.advantages import combine_rewards, group_advantages, nanstd
-from lightning_tlt.rl.config import normalize_scale_rewards
+from lightning_tlt.rl.advantages import combine_rewards, group_advantages, nanstd, normalize_scale_rewards
+from lightning_tlt.rl.batch import RolloutBatch, RolloutSettings, pad_left, pad_right
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
-
-
-@dataclass
-class RolloutSettings:
-    """What the RL module's config says about rollouts (the datamodule inherits unset options from it)."""
-
-    num_generations: int | None
-    sampling: SamplingConfig
-    scale_rewards: str
-    reward_weights: list[float] | None = None
 
 
 @dataclass

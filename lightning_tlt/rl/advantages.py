@@ -10,10 +10,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_tlt.rl.config import normalize_scale_rewards
-
 ADV_EPS = 1e-4
 """Added to the std before dividing, as TRL does."""
+
+
+_SCALE_REWARDS = ("group", "batch", "none")
+
+
+def normalize_scale_rewards(value: str | bool) -> str:
+    """TRL's ``scale_rewards``: "group", "batch" or "none"; ``True``/``False`` mean "group"/"none" as in TRL."""
+    if value is True:
+        return "group"
+    if value is False:
+        return "none"
+    if value not in _SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {_SCALE_REWARDS} (or True/False), got {value!r}")
+    return str(value)
 
 
 def nanstd(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_tlt.data.batch import RolloutBatch
+from lightning_tlt.rl.batch import RolloutBatch
 from lightning_tlt.rl.config import OptimConfig
 from lightning_tlt.rl.progress_bar import optimizer_step_bar
 

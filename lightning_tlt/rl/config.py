@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lightning_tlt.core.types import SamplingConfig
+from lightning_tlt.rl.advantages import normalize_scale_rewards
+from lightning_tlt.rl.losses import LOSS_AGGREGATIONS
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
 ScaleRewards = Literal["group", "batch", "none"]
@@ -20,18 +22,6 @@ ImportanceSamplingLevel = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k3"]
 SchedulerType = Literal["linear", "constant"]
 
-_SCALE_REWARDS = ("group", "batch", "none")
-
-
-def normalize_scale_rewards(value: str | bool) -> str:
-    """TRL's ``scale_rewards``: "group", "batch" or "none"; ``True``/``False`` mean "group"/"none" as in TRL."""
-    if value is True:
-        return "group"
-    if value is False:
-        return "none"
-    if value not in _SCALE_REWARDS:
-        raise ValueError(f"scale_rewards must be one of {_SCALE_REWARDS} (or True/False), got {value!r}")
-    return str(value)
 
 
 def validate_adamw(config: Any) -> None:
@@ -142,8 +132,6 @@ class GRPOConfig(OptimConfig):
             raise ValueError(
                 f"importance_sampling_level must be 'token' or 'sequence', got {self.importance_sampling_level!r}"
             )
-        from lightning_tlt.rl.losses import LOSS_AGGREGATIONS  # late: losses imports nothing from here
-
         if self.loss_type not in LOSS_AGGREGATIONS:
             raise ValueError(f"loss_type must be one of {sorted(LOSS_AGGREGATIONS)}, got {self.loss_type!r}")
         if self.reward_weights is not None:

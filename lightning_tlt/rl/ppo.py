@@ -17,9 +17,8 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_tlt.data.batch import RolloutBatch
-from lightning_tlt.data.datamodule import RolloutSettings
 from lightning_tlt.rl.advantages import gae, masked_mean, masked_whiten, ppo_token_rewards
+from lightning_tlt.rl.batch import RolloutBatch, RolloutSettings
 from lightning_tlt.rl.common import (
     PolicySpec,
     RLModule,
