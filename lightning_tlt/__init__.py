@@ -68,8 +68,8 @@ _EXPORTS: dict[str, str] = {
     "RolloutMetricsCallback": "lightning_tlt.callbacks.rollout_metrics",
     "RolloutProgressCallback": "lightning_tlt.callbacks.rollout_progress",
     # integrations (vllm and trl are imported only when these are used)
-    "VLLMRolloutEngine": "lightning_tlt.integrations.vllm",
-    "make_engine": "lightning_tlt.integrations.vllm",
+    "VLLMRolloutEngine": "lightning_tlt.rollout.vllm_engine",
+    "make_engine": "lightning_tlt.rollout.factory",
     "rollout_func": "lightning_tlt.integrations.trl",
 }
 

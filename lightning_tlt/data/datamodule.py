@@ -31,6 +31,7 @@ from lightning_tlt.core.types import (
 from lightning_tlt.data.rewards import OnRewardError, RewardFunc, compute_rewards, reward_func_name
 from lightning_tlt.rl.advantages import combine_rewards, group_advantages, nanstd, normalize_scale_rewards
 from lightning_tlt.rl.batch import RolloutBatch, RolloutSettings, pad_left, pad_right
+from lightning_tlt.rollout.factory import make_engine
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -89,7 +90,7 @@ class RolloutDataModule(pl.LightningDataModule):
         max_batch_size: engine slots; ``None`` fits one step's ``prompts_per_step * num_generations`` rows.
         max_seq_len: engine context; ``None`` is the longest prompt plus ``max_new_tokens``.
         engine: "native" (`RolloutEngine`, in-process over the policy's own parameters) or "vllm"
-            (`lightning_tlt.integrations.vllm.VLLMRolloutEngine` on a colocated ``vllm.LLM``, policy
+            (`lightning_tlt.rollout.vllm_engine.VLLMRolloutEngine` on a colocated ``vllm.LLM``, policy
             weights pushed after each optimizer step; needs ``pip install lightning-tlt[vllm]``).
         engine_kwargs: further options of the chosen engine (``use_cuda_graphs``, ``compile``, ...;
             for vLLM ``gpu_memory_utilization``, ``enforce_eager``, ...).
@@ -301,14 +302,7 @@ class RolloutDataModule(pl.LightningDataModule):
                 speculative=self.speculative,
                 **self.engine_kwargs,
             )
-            if self.engine_kind == "vllm":
-                from lightning_tlt.integrations.vllm import VLLMRolloutEngine
-
-                self._engine = VLLMRolloutEngine(self.policy, self.tokenizer, **kwargs)
-            else:
-                from lightning_tlt.rollout.engine import RolloutEngine
-
-                self._engine = RolloutEngine(self.policy, **kwargs)
+            self._engine = make_engine(self.engine_kind, self.policy, tokenizer=self.tokenizer, **kwargs)
             for fn in self._listeners:
                 self._engine.add_listener(fn)
             if self._adaptive_state is not None:

@@ -83,13 +83,13 @@ def rollout_func(
 
     def _engine(trainer: Any, sampling: SamplingConfig, longest_prompt: int, rows: int) -> Any:
         if state["engine"] is None:
-            from lightning_tlt.rollout.engine import RolloutEngine
+            from lightning_tlt.rollout.factory import make_engine
 
             opts = dict(engine_kwargs or {})
             opts.setdefault("max_seq_len", longest_prompt + sampling.max_new_tokens + 64)
             opts.setdefault("max_batch_size", rows)
             model = trainer.accelerator.unwrap_model(trainer.model) if hasattr(trainer, "accelerator") else trainer.model
-            state["engine"] = RolloutEngine(model, speculative=speculative, **opts)
+            state["engine"] = make_engine("native", model, speculative=speculative, **opts)
         return state["engine"]
 
     def _rollout(prompts: list[Any], trainer: Any) -> dict[str, Any]:

