@@ -147,3 +147,20 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | Sequence[Map
     raise ValueError(
         f"prompt must be a str or a list of {{'role', 'content'}} messages (TRL's formats), got {prompt!r}"
     )
+
+
+def completion_text(completion: Any) -> str:
+    """The text of one TRL completion: a string, or conversational ``[{"role", "content"}, ...]``.
+
+    Conversational completions give the concatenated contents of their assistant messages (all
+    messages when none is marked assistant). Anything else gives ``""``: rewards never raise.
+    """
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, Mapping):
+        completion = [completion]
+    if isinstance(completion, Sequence) and not isinstance(completion, bytes):
+        messages = [m for m in completion if isinstance(m, Mapping)]
+        assistant = [m for m in messages if m.get("role") == "assistant"] or messages
+        return "".join(m["content"] for m in assistant if isinstance(m.get("content"), str))
+    return ""

@@ -21,8 +21,7 @@ from torch.utils.data import Sampler
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from typing_extensions import override
 
-from lightning_tlt.data.tasks.base import completion_text
-from lightning_tlt.models.tokenizer import encode_prompt
+from lightning_tlt.models.tokenizer import completion_text, encode_prompt
 from lightning_tlt.rl.config import validate_adamw
 
 IGNORE_INDEX = -100

@@ -18,10 +18,12 @@ import random
 import re
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
+
+from lightning_tlt.models.tokenizer import completion_text  # noqa: F401  (re-exported: the tasks' rewards read it)
 
 if TYPE_CHECKING:  # imported where used: problems and rewards work without `datasets` installed
     from datasets import Dataset
@@ -78,23 +80,6 @@ def sample_detours(rng: random.Random, p_any: float, p_continue: float = 0.75, c
 def split_of(statement: str) -> Split:
     """The partition a statement belongs to: ``"test"`` for one in `TEST_FRACTION_MOD` (by CRC32)."""
     return "test" if zlib.crc32(statement.encode()) % TEST_FRACTION_MOD == 0 else "train"
-
-
-def completion_text(completion: Any) -> str:
-    """The text of one TRL completion: a string, or conversational ``[{"role", "content"}, ...]``.
-
-    Conversational completions give the concatenated contents of their assistant messages (all
-    messages when none is marked assistant). Anything else gives ``""``: rewards never raise.
-    """
-    if isinstance(completion, str):
-        return completion
-    if isinstance(completion, Mapping):
-        completion = [completion]
-    if isinstance(completion, Sequence) and not isinstance(completion, bytes):
-        messages = [m for m in completion if isinstance(m, Mapping)]
-        assistant = [m for m in messages if m.get("role") == "assistant"] or messages
-        return "".join(m["content"] for m in assistant if isinstance(m.get("content"), str))
-    return ""
 
 
 def final_answer(text: str) -> str | None:
