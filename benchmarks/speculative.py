@@ -155,10 +155,16 @@ def step_cost(policy: Any, drafter: Any, prompt: list[int], longest: int, batch:
     fixed = RolloutEngine(policy, max_batch_size=batch, max_seq_len=longest, speculative=spec)
     fixed.drafter = drafter
     fixed.generate([prompt], sampling, num_samples=batch, generator=torch.Generator().manual_seed(0))
+    suffix = RolloutEngine(policy, max_batch_size=batch, max_seq_len=longest,
+                           speculative=SpeculativeConfig(method="suffix", num_draft_tokens=k, threshold=batch,
+                                                         hysteresis_steps=1))
+    suffix.generate([prompt], sampling, num_samples=batch, generator=torch.Generator().manual_seed(0))
     decode = graph_replay_ms(plain, batch, "decode", 1)
     speculative = graph_replay_ms(fixed, batch, "spec", k + 1, width=k + 1)
-    return {"decode_ms": decode, f"spec_k{k}_ms": speculative,
-            "ratio": speculative / decode if decode and speculative else None}
+    verify = graph_replay_ms(suffix, batch, "verify", k + 1)  # the policy's forward of k + 1 tokens a row alone
+    return {"decode_ms": decode, f"spec_k{k}_ms": speculative, f"verify{k + 1}_ms": verify,
+            "ratio": speculative / decode if decode and speculative else None,
+            "verify_ratio": verify / decode if decode and verify else None}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -278,6 +284,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["summary"] = {
         "spec_step_cost_k4_b1": costs["b1"].get("ratio"),
         "spec_step_cost_k4_b8": costs["b8"].get("ratio"),
+        "verify5_over_decode_b1": costs["b1"].get("verify_ratio"),
+        "verify5_over_decode_b8": costs["b8"].get("verify_ratio"),
         "tail_speedup_rows_1_8": tail_rate(table["eagle"]["bins"]) / off_tail,
         "accept_len": table["eagle"]["spec"].get("spec/acceptance_length"),
         "cold_drafter_tail_ratio": tail_rate(table["cold"]["bins"]) / off_tail,
