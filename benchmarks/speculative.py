@@ -146,25 +146,29 @@ def tail_rate(binner_rates: dict[str, dict[str, float]], bins: tuple[str, ...] =
     return tokens / seconds if seconds > 0 else float("nan")
 
 
-def step_cost(policy: Any, drafter: Any, prompt: list[int], longest: int, batch: int, k: int) -> dict[str, Any]:
-    """Replay times of one plain decode step and one EAGLE step of k drafts, same rows (``batch`` of ``prompt``)."""
+def step_cost(policy: Any, drafter: Any, prompt: list[int], longest: int, batches: tuple[int, ...], k: int) -> dict[str, Any]:
+    """Replay times of one plain decode step, one EAGLE step of k drafts and one k + 1-token verify
+    (the policy's forward alone, a suffix engine's), on the same rows: ``batch`` samples of ``prompt``."""
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=48, stop_token_ids=[])
-    plain = RolloutEngine(policy, max_batch_size=batch, max_seq_len=longest)
-    plain.generate([prompt], sampling, num_samples=batch, generator=torch.Generator().manual_seed(0))
-    spec = SpeculativeConfig(method="eagle", num_draft_tokens=k, threshold=batch, hysteresis_steps=1)
-    fixed = RolloutEngine(policy, max_batch_size=batch, max_seq_len=longest, speculative=spec)
+    most = max(batches)
+    plain = RolloutEngine(policy, max_batch_size=most, max_seq_len=longest)
+    fixed = RolloutEngine(policy, max_batch_size=most, max_seq_len=longest, speculative=SpeculativeConfig(
+        method="eagle", num_draft_tokens=k, threshold=most, hysteresis_steps=1))
     fixed.drafter = drafter
-    fixed.generate([prompt], sampling, num_samples=batch, generator=torch.Generator().manual_seed(0))
-    suffix = RolloutEngine(policy, max_batch_size=batch, max_seq_len=longest,
-                           speculative=SpeculativeConfig(method="suffix", num_draft_tokens=k, threshold=batch,
-                                                         hysteresis_steps=1))
-    suffix.generate([prompt], sampling, num_samples=batch, generator=torch.Generator().manual_seed(0))
-    decode = graph_replay_ms(plain, batch, "decode", 1)
-    speculative = graph_replay_ms(fixed, batch, "spec", k + 1, width=k + 1)
-    verify = graph_replay_ms(suffix, batch, "verify", k + 1)  # the policy's forward of k + 1 tokens a row alone
-    return {"decode_ms": decode, f"spec_k{k}_ms": speculative, f"verify{k + 1}_ms": verify,
-            "ratio": speculative / decode if decode and speculative else None,
-            "verify_ratio": verify / decode if decode and verify else None}
+    suffix = RolloutEngine(policy, max_batch_size=most, max_seq_len=longest, speculative=SpeculativeConfig(
+        method="suffix", num_draft_tokens=k, threshold=most, hysteresis_steps=1))
+    out: dict[str, Any] = {}
+    for batch in batches:
+        for engine in (plain, fixed, suffix):
+            engine.generate([prompt], sampling, num_samples=batch, generator=torch.Generator().manual_seed(0))
+        decode = graph_replay_ms(plain, batch, "decode", 1)
+        speculative = graph_replay_ms(fixed, batch, "spec", k + 1, width=k + 1)
+        verify = graph_replay_ms(suffix, batch, "verify", k + 1)  # the policy's forward of k + 1 tokens alone
+        out[f"b{batch}"] = {"decode_ms": decode, f"spec_k{k}_ms": speculative, f"verify{k + 1}_ms": verify,
+                            "ratio": speculative / decode if decode and speculative else None,
+                            "verify_ratio": verify / decode if decode and verify else None}
+        print(f"[speculative] step cost at batch {batch}: {out[f'b{batch}']}", flush=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -273,12 +277,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dump()
 
     # --- the speculative step's cost, graph replays of the same rows
-    costs = {}
-    for batch in (1, 8):
-        try:
-            costs[f"b{batch}"] = step_cost(policy, trained, test_ids[0], longest, batch, 4)
-        except Exception as err:  # report, keep the rest
-            costs[f"b{batch}"] = {"error": repr(err)}
+    try:
+        costs = step_cost(policy, trained, test_ids[0], longest, (1, 8), 4)
+    except Exception as err:  # report, keep the rest
+        costs = {"b1": {"error": repr(err)}, "b8": {"error": repr(err)}}
     results["step_cost"] = costs
     off_tail = tail_rate(table["off"]["bins"])
     results["summary"] = {
