@@ -51,7 +51,7 @@ class CapturedGraph(Protocol):
 class GraphBackend(Protocol):
     """Captures a step function; `CUDAGraphBackend` on CUDA, anything with this shape in tests."""
 
-    def capture(self, fn: Callable[[], None]) -> CapturedGraph: ...
+    def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> CapturedGraph: ...
 
 
 @dataclass
@@ -81,12 +81,22 @@ class CUDAGraphBackend:
         self.generators = list(generators)
         self.warmup_iters = warmup_iters
 
-    def capture(self, fn: Callable[[], None]) -> CapturedGraph:
+    def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> CapturedGraph:
+        """Warm up ``fn`` (eagerly, on a side stream), then capture it.
+
+        ``reset`` restores the state ``fn`` reads before each warm-up run and before the capture:
+        a step is not idempotent (a verify advances its rows and leaves the catch-up block of the
+        next step), so each run must see the state the live step will see.
+        """
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(self.warmup_iters):
+                if reset is not None:
+                    reset()
                 fn()
+            if reset is not None:
+                reset()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         # what the capture takes from the device: the allocator's reserve, and (device-wide) the
@@ -204,19 +214,29 @@ class CUDAGraphProfileCache:
             self.stats.replays += 1
             graph.replay()
 
-    def capture(self, profiles: Sequence[GraphProfile], fn_for: Callable[[GraphProfile], Callable[[], None]]) -> None:
-        """Capture ``profiles`` ahead of use, largest batch first (so smaller graphs reuse its pool)."""
+    def capture(
+        self,
+        profiles: Sequence[GraphProfile],
+        fn_for: Callable[[GraphProfile], Callable[[], None]],
+        reset: Callable[[], None] | None = None,
+    ) -> None:
+        """Capture ``profiles`` ahead of use, largest batch first (so smaller graphs reuse its pool).
+
+        ``reset`` restores the state the steps read, before each warm-up run and the capture.
+        """
         if self.backend is None:
             return
         for profile in sorted(profiles, key=lambda p: (-p.batch, p)):
             if profile not in self._graphs and profile not in self._failed:
-                self._capture(profile, fn_for(profile))
+                self._capture(profile, fn_for(profile), reset)
 
-    def _capture(self, profile: GraphProfile, fn: Callable[[], None]) -> CapturedGraph | None:
+    def _capture(
+        self, profile: GraphProfile, fn: Callable[[], None], reset: Callable[[], None] | None = None
+    ) -> CapturedGraph | None:
         assert self.backend is not None
         start = time.perf_counter()
         try:
-            graph = self.backend.capture(fn)
+            graph = self.backend.capture(fn) if reset is None else self.backend.capture(fn, reset)
         except Exception as err:  # noqa: BLE001 - any capture failure means: run this profile eagerly
             self._failed.add(profile)
             self.stats.failures += 1

@@ -526,9 +526,13 @@ class RolloutEngine:
         if graphs.enabled and profile not in graphs:
             restore = self._state.snapshot()
             gen_state = self._gen.get_state()
-            graphs.capture([profile], lambda _: fn)
-            restore()
-            self._gen.set_state(gen_state)
+
+            def reset() -> None:  # every warm-up run and the capture see the live step's state
+                restore()
+                self._gen.set_state(gen_state)  # type: ignore[union-attr]
+
+            graphs.capture([profile], lambda _: fn, reset)
+            reset()
         try:
             graphs.run(profile, fn)
         except Exception as err:

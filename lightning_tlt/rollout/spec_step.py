@@ -266,10 +266,12 @@ class SpeculativeStep:
         noise = None if sampling.greedy else exponential_noise((k, batch, vd), gen, head.device)
         # rows whose last step was plain (or new rows): one true row, the newest feature + pending token;
         # after a plain step (width 1) no row's catch-up block is current
-        fresh = spec.cu_fresh[:batch] if width > 1 else torch.zeros_like(spec.cu_fresh[:batch])
+        fresh = spec.cu_fresh[:batch] & ~st.finished[:batch]  # padding rows: stale blocks are never read
+        if width == 1:
+            fresh = torch.zeros_like(fresh)
         pending = st.positions[:batch]
         base = torch.where(fresh, spec.cu_base[:batch], (pending - 1).clamp_min(0))
-        valid = torch.where(fresh, spec.cu_valid[:batch], torch.ones_like(base))
+        valid = torch.where(fresh, spec.cu_valid[:batch], torch.ones_like(base)).clamp(1, width)
         feats = torch.where(fresh[:, None, None], spec.cu_feat[:batch, :width],
                             _first_row(st.hidden[:batch], width))  # (B, W, F)
         toks = torch.where(fresh[:, None], spec.cu_tok[:batch, :width], _first_row(st.tokens[:batch], width))

@@ -137,14 +137,19 @@ def test_engine_without_cuda_warns_and_runs_eagerly() -> None:
 
 
 class WarmupBackend:
-    """Runs the step twice at capture, as the CUDA backend's warm-up does, then replays eagerly."""
+    """Runs the step twice at capture, as the CUDA backend's warm-up does (resetting the state before
+    each run and before the capture, as it does), then replays eagerly."""
 
     def __init__(self) -> None:
         self.captures = 0
 
-    def capture(self, fn: Callable[[], None]) -> _Replayable:
-        fn()
-        fn()
+    def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> _Replayable:
+        for _ in range(2):
+            if reset is not None:
+                reset()
+            fn()
+        if reset is not None:
+            reset()
         self.captures += 1
         return _Replayable(fn, 10)
 
@@ -165,3 +170,33 @@ def test_engine_graph_warmup_leaves_no_trace() -> None:
     assert out.logprobs == ref.logprobs
     assert backend.captures == 2  # waves of 4, 4 and 2 rows: buckets 4 and 2
     assert graphed.graph_stats["hits"] > 0
+
+
+def test_speculative_graph_warmups_see_the_live_state() -> None:
+    """Capturing speculative steps mid-generation (two warm-up runs each, as on CUDA) while the tuner
+    alternates k, with a drafter that gets many drafts accepted: every warm-up run starts from the live
+    state, so the same seed gives the same rollouts with and without graphs. (On the H200 the second
+    warm-up run read the catch-up block the first had written, with the old width, and indexed out of
+    bounds.)"""
+    from lightning_tlt.core.types import SpeculativeConfig
+    from lightning_tlt.drafters.eagle import EagleDrafter
+
+    model = build_model("qwen2", "tiny", seed=0)  # its untrained drafter gets most drafts accepted
+    prompts = [[4 + i % 50, 5 + (7 * i) % 60, 6 + i % 3] for i in range(24)]
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=24, stop_token_ids=[7, 9, 11, 13])
+    spec = SpeculativeConfig(method="eagle", num_draft_tokens=None, draft_candidates=(2, 8), threshold=8,
+                             hysteresis_steps=1, tuner_epsilon=0.5, tuner_min_samples=1, plain_arm=False)
+    drafter = EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(0)).inference_copy()
+    outs = []
+    for graphs in (False, True):
+        engine = RolloutEngine(model, max_seq_len=48, max_batch_size=8, speculative=spec)
+        engine.drafter = drafter
+        assert engine.tuner is not None
+        engine.tuner.cost_model = lambda k, rows: 1e-3 * (1 + 0.1 * k)  # the same k choices in both runs
+        backend = WarmupBackend()
+        if graphs:
+            engine._ensure_buffers()
+            engine._graphs = CUDAGraphProfileCache(backend, max_batch=8)
+        outs.append(engine.generate(prompts, cfg, generator=torch.Generator().manual_seed(3)))
+    assert outs[1].completion_ids == outs[0].completion_ids and outs[1].logprobs == outs[0].logprobs
+    assert backend.captures > 4 and outs[1].stats["spec/acceptance_length"] > 2.0

@@ -20,6 +20,7 @@ from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.models.zoo import build_model
 from lightning_tlt.rollout.cuda_graphs import CUDAGraphProfileCache
 from lightning_tlt.rollout.engine import RolloutEngine
+from lightning_tlt.rollout.steps import SamplingKey
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=14, stop_token_ids=[])
 
@@ -201,3 +202,56 @@ def test_drafts_come_from_the_draft_vocabulary() -> None:
     counts = engine._vocab.counts
     top = set(torch.argsort(-counts, stable=True)[:16].tolist())
     assert set(engine._vocab.ids().tolist()) == top and counts.sum() == 2 * 2 * 20
+
+
+def test_changing_k_and_shrinking_batches_keep_padding_rows_inert() -> None:
+    """Rows finish at many different steps, queued requests are admitted into released slots and the
+    tuner alternates k, so padding rows of a bucket hold stale catch-up blocks of other widths: they
+    are never read (the step reads blocks of active rows only). Greedy output equals plain decoding."""
+    model = build_model("llama", "tiny", seed=0)
+    config = SpeculativeConfig(method="eagle", num_draft_tokens=None, draft_candidates=(2, 8), threshold=16,
+                               hysteresis_steps=1, tuner_epsilon=0.5, tuner_min_samples=1, plain_arm=False)
+    engine = RolloutEngine(model, max_seq_len=64, max_batch_size=16, speculative=config)
+    engine.drafter = EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(0)).inference_copy()
+    free = RolloutEngine(model, max_seq_len=64, max_batch_size=16)
+    prompts = [[4 + i % 50, 5 + (7 * i) % 60, 6 + i % 3] for i in range(40)]
+    runs = free.generate(prompts, SamplingConfig(temperature=0.0, max_new_tokens=30, stop_token_ids=[])).completion_ids
+    stops = sorted({c[2 + i % 25] for i, c in enumerate(runs)})[:6]  # rows end at many different steps
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=30, stop_token_ids=stops)
+    ref = free.generate(prompts, cfg).completion_ids
+    sizes: list[int] = []
+    engine.add_listener(lambda e: sizes.append(e.active_rows) if e.phase == "speculative" else None)
+    out = engine.generate(prompts, cfg)
+    assert out.completion_ids == ref
+    assert len({len(c) for c in ref}) > 5
+    grew = any(b > a for a, b in zip(sizes, sizes[1:]))  # queued requests admitted after rows finished
+    assert grew and out.stats["spec/steps"] > 10
+
+
+def test_a_stale_catch_up_block_wider_than_the_step_is_never_indexed() -> None:
+    """The H200 failure, directly: a slot whose catch-up block says 9 valid rows (from a k = 8 step) in
+    a step whose block is 3 wide (the last step had k = 2), and a finished padding row with a stale
+    fresh block: the step clamps to its width and reads only active rows, instead of indexing out of
+    bounds. And the engine hands every graph capture a reset, so warm-up runs never see each other's
+    writes (the cause of that state on the GPU)."""
+    model = build_model("qwen2", "tiny", seed=0)
+    engine = eagle_engine(model, slots=4, num_draft_tokens=8)
+    engine.generate([[5, 6, 7]], SamplingConfig(temperature=1.0, max_new_tokens=4, stop_token_ids=[]), num_samples=2)
+    st = engine._state
+    assert st is not None and st.spec is not None and engine._spec_step is not None
+    st.finished[:4] = torch.tensor([False, False, False, True])
+    st.spec.cu_fresh[:4] = True
+    st.spec.cu_valid[:4] = torch.tensor([2, 9, 3, 9])
+    engine._spec_step.begin(model.lm_head)
+    engine._spec_step._eagle_step(engine._context(), 4, 8, 3, SamplingKey(1.0, 0, 1.0), engine.drafter, None)
+    assert int(st.spec.draft_lens[0]) == 8  # it ran through
+    captured: list[object] = []
+
+    class Backend:
+        def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> _Replayable:
+            captured.append(reset)
+            return _Replayable(fn, 1)
+
+    engine._graphs = CUDAGraphProfileCache(Backend(), max_batch=4)
+    engine.generate([[5, 6, 7]], SamplingConfig(temperature=1.0, max_new_tokens=6, stop_token_ids=[]), num_samples=2)
+    assert captured and all(callable(r) for r in captured)
