@@ -113,7 +113,7 @@ def build_policy(args: argparse.Namespace, device: str) -> torch.nn.Module:
         from lightning_tlt.models.warmstart import warm_start
 
         model, _ = warm_start(
-            args.task, args.arch, args.size, difficulty=args.difficulty, steps=args.sft_steps,
+            args.task, args.arch, args.size, difficulty=args.difficulty, steps=args.sft_steps, lr=args.sft_lr,
             cache_dir=args.cache_dir, device=device, progress=False,
         )  # fmt: skip
     else:
@@ -268,6 +268,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--arch", default="qwen2")
     p.add_argument("--size", default="100m", help="zoo size (100m, 400m, ...)")
     p.add_argument("--sft-steps", type=int, default=400, help="policy warm start (cached); 0: random init")
+    p.add_argument("--sft-lr", type=float, default=5e-4,
+                   help="policy warm-start peak lr (the tiny sizes' 3e-3 diverged to NaN at 100m on the H200)")
     p.add_argument("--warm-steps", type=int, default=400, help="drafter warm-start steps")
     p.add_argument("--steps", type=int, default=30, help="RL steps per arm (at most)")
     p.add_argument("--time-budget-s", type=float, default=450.0, help="the whole run, warm start included")

@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -148,6 +149,13 @@ def warm_start(
         torch.set_num_threads(previous_threads)
     seconds = time.perf_counter() - start
     tail = history[-max(1, len(history) // 20) :]
+    if not all(math.isfinite(x) for x in tail) or not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        # never cache (or hand back) a diverged policy: every run after it would start from NaN weights
+        raise RuntimeError(
+            f"warm start diverged: {task} {arch}/{size} at lr={lr} reached a non-finite loss or weights after "
+            f"{steps} SFT steps (loss {history[0]:.3f} -> {tail[-1]:.3f}); nothing was cached. Lower lr (the "
+            "defaults suit the tiny and small sizes: try 5e-4 or less for 100m and larger)"
+        )
     metadata = {
         "settings": settings,
         "parameters": count_parameters(model),

@@ -251,3 +251,13 @@ def test_warm_arithmetic_policy_fixture_writes_the_format(
     completions = generate_completions(model, tokenizer, prompts, max_new_tokens=48)
     fmt = get_task("arithmetic").reward_funcs[1](prompts, completions)
     assert sum(fmt) >= 6, completions  # 100 steps teach "... #### <integer>" (measured: 32 of 32)
+
+
+def test_a_diverged_warm_start_is_refused_and_not_cached(tmp_path) -> None:
+    """A warm start whose loss or weights turn non-finite raises (naming the lr) and caches nothing:
+    on the H200 a 100m warm start at the tiny sizes' lr reached NaN and every later run used it."""
+    from lightning_tlt.models.warmstart import warm_start
+
+    with pytest.raises(RuntimeError, match=r"warm start diverged: arithmetic qwen2/tiny at lr=1e\+30"):
+        warm_start("arithmetic", "qwen2", "tiny", steps=6, batch_size=4, lr=1e30, cache_dir=tmp_path, progress=False)
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
