@@ -506,8 +506,9 @@ class RolloutEngine:
     def _context(self) -> StepContext:
         assert self._state is not None and self._cache is not None and self._graphs is not None
         assert self._forward is not None and self._gen is not None
-        return StepContext(self._state, self._cache, self._forward, self._graphs, self._run_step, self._gen,
-                           self._capture_layers(), self.attention)
+        # the forward is looked up at each call: a compiler failure swaps in the uncompiled one mid-step
+        return StepContext(self._state, self._cache, lambda *args: self._forward(*args),  # type: ignore[misc]
+                           self._graphs, self._run_step, self._gen, self._capture_layers(), self.attention)
 
     # ------------------------------------------------------------------ steps
     def _decode_step(self, batch: int, sampling: SamplingKey, kv_len: int | None) -> None:
@@ -542,10 +543,9 @@ class RolloutEngine:
             warnings.warn(f"torch.compile of the engine's steps failed ({err!r}); running uncompiled", stacklevel=2)
             self._forward, self._decode_update = self._model_step, decode_update
             if self._spec_step is not None:
-                self._spec_step = SpeculativeStep(self.max_draft_tokens, self._vocab, compile=False)
-                self._spec_step.begin(self._hf.lm_head)
+                self._spec_step.use_eager()
             graphs.clear()
-            self._run_step(profile, fn)
+            self._run_step(profile, fn)  # fn reads the (now eager) functions at call time
 
     def _kv_len(self, run: _Run, active: Sequence[Request], q: int) -> int | None:
         """The SDPA path's KV bucket: a power of two above every row's length after this step (the
@@ -555,6 +555,8 @@ class RolloutEngine:
             run.bounds[r.index] += q
         if self.attention != "sdpa":
             return None
+        if self._forward is not self._model_step:
+            return None  # compiled: one shape for every length (a bucket per length would recompile)
         longest = max(run.bounds[r.index] for r in active)
         return min(self._cache.max_seq_len, max(64, 1 << (longest - 1).bit_length()))
 

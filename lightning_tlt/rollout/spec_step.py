@@ -134,9 +134,7 @@ class SpeculativeStep:
     def __init__(self, max_draft_tokens: int, vocab: DraftVocabulary, *, compile: bool) -> None:
         self.max_k = max_draft_tokens
         self.vocab = vocab
-        self._verify_update = verify_update
-        self._draft_sample = draft_sample
-        self._catch_up_rows = self._chain_row = drafter_rows
+        self.use_eager()
         if compile:
             # dynamic from the start: one compilation per function serves every batch bucket and k
             # (the catch-up block and the chained single row are compiled apart: their q differs)
@@ -149,6 +147,12 @@ class SpeculativeStep:
         self._contexts: dict[int, list[int]] = {}  # request index -> prompt + completion (host drafters)
         self._k_prev = 0  # k of the last step, 0 after a plain step: the catch-up block's width - 1
         self._call = 0
+
+    def use_eager(self) -> None:
+        """Run the step's device functions uncompiled (also the fallback after a compiler failure)."""
+        self._verify_update = verify_update
+        self._draft_sample = draft_sample
+        self._catch_up_rows = self._chain_row = drafter_rows
 
     # ------------------------------------------------------------------ per generate call
     def begin(self, lm_head: Any) -> None:
@@ -319,8 +323,10 @@ class SpeculativeStep:
         offsets = torch.arange(k + 1, device=pos.device)
         logits, hidden = ctx.forward(inputs, pos[:, None] + offsets[None], cache.k, cache.v, ctx.capture_layers,
                                      kv_len)
-        uniforms = noise = None
-        if not sampling.greedy:
+        if sampling.greedy:  # acceptance is 0 or 1 and the correction an argmax: no randomness at all
+            uniforms = torch.zeros(batch, k, device=pos.device)
+            noise = torch.ones(batch, logits.shape[-1], device=pos.device)
+        else:  # drawn here, not in the compiled update (it cannot trace an explicit generator)
             uniforms = torch.rand(batch, k, generator=gen, device=pos.device)
             noise = exponential_noise((batch, logits.shape[-1]), gen, pos.device)
         if probs is not None:
