@@ -8,10 +8,10 @@ deterministic cost model so that "which arm is faster" is a fact of the test, no
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import pytest
 import torch
+from test_cuda_graphs import _Replayable
 from test_spec_engine import PolicyDrafter, chi_square_quantile, speculative_chi_square, tiny_vocab_model
 from transformers import PreTrainedModel
 
@@ -150,15 +150,6 @@ def test_tuner_keeps_speculating_with_a_drafter_equal_to_the_policy() -> None:
 
 
 # ------------------------------------------------------------------------- drafter swaps
-@dataclass
-class _Replayable:
-    fn: Callable[[], None]
-    nbytes: int
-
-    def replay(self) -> None:
-        self.fn()
-
-
 class CountingBackend:
     """Captures by keeping the function (an eager stand-in for a CUDA graph)."""
 
