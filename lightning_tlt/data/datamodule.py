@@ -12,7 +12,7 @@ and is exactly resumable: `state_dict` holds the data position and the sampling 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -30,7 +30,7 @@ from lightning_tlt.core.types import (
 )
 from lightning_tlt.data.rewards import OnRewardError, RewardFunc, compute_rewards, reward_func_name
 from lightning_tlt.rl.advantages import combine_rewards, group_advantages, nanstd, normalize_scale_rewards
-from lightning_tlt.rl.batch import RolloutBatch, RolloutSettings, pad_left, pad_right
+from lightning_tlt.rl.batch import RolloutBatch, RolloutSettings, RolloutSettingsSource, pad_left, pad_right
 from lightning_tlt.rollout.factory import make_engine
 
 if TYPE_CHECKING:
@@ -508,8 +508,8 @@ def check_dataset_size(num_prompts: int, prompts_per_step: int, world_size: int 
 
 
 def _module_settings(module: Any) -> RolloutSettings | None:
-    get: Callable[[], RolloutSettings] | None = getattr(module, "rollout_settings", None)
-    return get() if get is not None else None
+    """The module's rollout options, through the declared `RolloutSettingsSource` interface."""
+    return module.rollout_settings() if isinstance(module, RolloutSettingsSource) else None
 
 
 def _load_tokenizer(arg: Any) -> Any:

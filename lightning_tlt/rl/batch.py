@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -19,6 +19,7 @@ from lightning_tlt.core.types import SamplingConfig
 
 __all__ = [
     "RolloutSettings",
+    "RolloutSettingsSource",
     "RolloutBatch",
     "pad_left",
     "pad_right",
@@ -37,6 +38,14 @@ class RolloutSettings:
     """TRL's ``scale_rewards`` ("group", "batch" or "none")."""
     reward_weights: list[float] | None = None
     """Weight of each reward function; ``None``: 1 each."""
+
+
+@runtime_checkable
+class RolloutSettingsSource(Protocol):
+    """What a LightningModule implements to hand its rollout options to `RolloutDataModule` (the RL
+    modules do: `lightning_tlt.rl.grpo.GRPOModule`, `lightning_tlt.rl.ppo.PPOModule`)."""
+
+    def rollout_settings(self) -> RolloutSettings: ...
 
 
 @dataclass
