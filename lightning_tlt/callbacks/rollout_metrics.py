@@ -3,7 +3,9 @@
 The RL modules already log TRL's metrics of each batch (``reward``, ``completions/*``, ``kl``,
 ...); this callback adds what only the engine's step events show: how the rollout's time splits
 between the full batch and its long tail, and TRL's ``step_time``. It also prints a readable line
-every ``print_every_n_steps`` (reward, lengths, throughput, speculation).
+every ``print_every_n_steps`` (reward and each reward function's mean beside it, so correctness is
+never hidden inside a total that format alone can raise; lengths, throughput, speculation), after
+a one-time legend (`SUMMARY_LEGEND`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class RolloutMetricsCallback(Callback):
         self._events: list[StepEvent] = []
         self._last_end: float | None = None
         self._state = {"printed": 0}
+        self._legend_shown = False
         self._datamodule: Any = None
 
     def _on_event(self, event: StepEvent) -> None:
@@ -88,7 +91,11 @@ class RolloutMetricsCallback(Callback):
         size = len(batch) if hasattr(batch, "__len__") else 1
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=size)
-        if self.print_every_n_steps and (trainer.global_step // max(1, _steps_per_batch(pl_module))) % self.print_every_n_steps == 0:
+        rl_step = trainer.global_step // max(1, _steps_per_batch(pl_module))
+        if self.print_every_n_steps and rl_step % self.print_every_n_steps == 0:
+            if not self._legend_shown:
+                rank_zero_info(SUMMARY_LEGEND)
+                self._legend_shown = True
             rank_zero_info(summary_line(trainer.global_step, getattr(batch, "metrics", {}), metrics))
             self._state["printed"] += 1
 
@@ -106,11 +113,41 @@ def _steps_per_batch(pl_module: pl.LightningModule) -> int:
     return int(fn()) if fn is not None else 1
 
 
+SUMMARY_LEGEND = """columns of the per-step lines below:
+  step         optimizer step (num_iterations of them per RL step)
+  reward       mean total reward ± std over the step's completions (the sum of the reward functions),
+               then each function's mean: correctness = right final answer, format = well-formed answer
+               line (logged as rewards/<func>/mean)
+  len          mean completion length in tokens (clipped: share cut at max_completion_length)
+  tok/s        rollout throughput
+  spec/accept  share of decode steps that speculated / tokens accepted per verify step
+  s            wall time of the RL step"""
+"""Printed once before the first summary line: what each column of `summary_line` means."""
+
+
+def short_reward_name(name: str) -> str:
+    """``countdown_search_correctness`` -> ``correctness`` (a task's prefix dropped); other names unchanged."""
+    for kind in ("correctness", "format"):
+        if name == kind or name.endswith("_" + kind):
+            return kind
+    return name
+
+
 def summary_line(step: int, m: dict[str, float], extra: dict[str, float]) -> str:
-    """``step 12 | reward 0.41 ± 0.30 | len 37.5 (clipped 3%) | 1,234 tok/s | spec 40% accept 2.3``."""
+    """``step 12 | reward 1.41 ± 0.30 (correctness 0.42, format 0.99) | len 37.5 (clipped 3%) | ...``.
+
+    Each reward function's mean (``rewards/<func>/mean``) follows the total, so a total that rises
+    through the format reward alone cannot pass for learning.
+    """
     parts = [f"step {step}"]
     if "reward" in m:
-        parts.append(f"reward {m['reward']:.3f} ± {m.get('reward_std', 0.0):.3f}")
+        reward = f"reward {m['reward']:.3f} ± {m.get('reward_std', 0.0):.3f}"
+        funcs = [
+            f"{short_reward_name(key[len('rewards/') : -len('/mean')])} {value:.3f}"
+            for key, value in m.items()
+            if key.startswith("rewards/") and key.endswith("/mean")
+        ]
+        parts.append(reward + (f" ({', '.join(funcs)})" if funcs else ""))
     if "completions/mean_length" in m:
         parts.append(
             f"len {m['completions/mean_length']:.1f} (clipped {100 * m.get('completions/clipped_ratio', 0.0):.0f}%)"
