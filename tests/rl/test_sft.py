@@ -202,6 +202,22 @@ def test_warm_start_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         warm_start(device="tpu", cache_dir=tmp_path)
     with pytest.raises(ValueError, match="size must be one of"):
         warm_start(size="7b", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="max_length must be >= 2 or None, got 1"):
+        warm_start(max_length=1, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="max_time_s must be > 0 or None, got 0"):
+        warm_start(max_time_s=0, cache_dir=tmp_path)
+    # the bounds enter the cache key only when set (caches made before them stay valid)
+    assert warm_start_dir(max_length=None, max_time_s=None) == warm_start_dir()
+    assert len({warm_start_dir(), warm_start_dir(max_length=256), warm_start_dir(max_time_s=60.0)}) == 3
+
+
+def test_warm_start_bounded_in_time_and_length(tmp_path: Path) -> None:
+    kwargs = dict(steps=500, batch_size=4, max_length=40, max_time_s=1e-3, cache_dir=tmp_path, progress=False)
+    warm_start("countdown_search", "qwen2", "tiny", **kwargs)
+    directory = warm_start_dir("countdown_search", "qwen2", "tiny", **{k: v for k, v in kwargs.items() if k != "progress"})
+    meta = warm_start_metadata(directory)
+    assert meta["steps_done"] == 1 < meta["settings"]["steps"]  # the time bound ends training after one step
+    assert (meta["settings"]["max_length"], meta["settings"]["max_time_s"]) == (40, 1e-3)
 
 
 def test_warmstart_cli_trains_then_hits_the_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
