@@ -49,6 +49,8 @@ class ZooSize:
     """Rows of the embedding and LM head; ``None``: the kit tokenizer's vocabulary rounded up to 64."""
     tie_word_embeddings: bool = False
     """Share one matrix between the embedding and the LM head (as Qwen2.5-0.5B does)."""
+    max_position_embeddings: int = 4096
+    """Longest context the config declares (Qwen2.5-0.5B: 32,768)."""
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -76,7 +78,9 @@ ZOO_SIZES: dict[str, ZooSize] = {
     "100m": ZooSize(768, 12, 12, 4, 3072),  # ~104 M: GPU benchmarks
     "400m": ZooSize(896, 24, 14, 2, 4864),  # ~0.36 B: the body of Qwen2.5-0.5B
     # 494 M, as Qwen2.5-0.5B: the 400m body with its tied 151,936-row embedding and LM head
-    "0.5b": ZooSize(896, 24, 14, 2, 4864, vocab_size=QWEN25_05B_VOCAB, tie_word_embeddings=True),
+    "0.5b": ZooSize(
+        896, 24, 14, 2, 4864, vocab_size=QWEN25_05B_VOCAB, tie_word_embeddings=True, max_position_embeddings=32768
+    ),
 }
 """Named sizes of the zoo (parameter counts in docs/zoo_and_tasks.md)."""
 
@@ -113,7 +117,7 @@ def build_config(
         num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads,
         intermediate_size=shape.intermediate_size,
-        max_position_embeddings=4096,
+        max_position_embeddings=shape.max_position_embeddings,
         rms_norm_eps=1e-6,
         tie_word_embeddings=shape.tie_word_embeddings,
         pad_token_id=tokenizer.pad_token_id,

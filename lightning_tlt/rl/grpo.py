@@ -133,20 +133,20 @@ class GRPOModule(RLModule):
         out.stats["entropy"] = masked_mean(fwd.entropies, mask)
         return loss, out.stats, fwd.logps.detach()
 
-    def micro_batches(self, batch: RolloutBatch) -> list[RolloutBatch]:
-        """``batch`` cut into `GRPOConfig.micro_batch_size` rows, each trimmed to its own longest prompt
-        and completion (the whole batch when unset or not smaller)."""
+    def micro_batches(self, batch: RolloutBatch) -> list[tuple[Tensor, RolloutBatch]]:
+        """``(rows, micro-batch)`` pairs: ``batch``'s rows by completion length, cut into
+        `GRPOConfig.micro_batch_size` rows, each trimmed to its own longest prompt and completion (so
+        the long tail is padded with itself only). The whole batch when unset or not smaller."""
         size = self.config.micro_batch_size
         if size is None or size >= len(batch):
-            return [batch]
-        return [
-            trim_padding(batch.select(torch.arange(start, min(len(batch), start + size))))
-            for start in range(0, len(batch), size)
-        ]
+            return [(torch.arange(len(batch)), batch)]
+        order = torch.argsort(batch.completion_mask.sum(1), stable=True)
+        return [(rows, trim_padding(batch.select(rows))) for rows in order.split(size)]
 
     @override
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
-        chunks = self.micro_batches(batch)
+        pairs = self.micro_batches(batch)
+        chunks = [chunk for _, chunk in pairs]
         whole = len(chunks) == 1
         num_items = None if whole else self.loss_mask(batch).sum()
         ref_logps: list[Tensor | None] = [None] * len(chunks)
@@ -180,7 +180,7 @@ class GRPOModule(RLModule):
             self._finish_step()
             losses.append(pass_loss)
             if hidden:
-                self.last_policy_features = join_features(batch, chunks, hidden, int(self.global_step))
+                self.last_policy_features = join_features(batch, pairs, hidden, int(self.global_step))
         mean_loss = torch.stack(losses).mean()
         metrics: dict[str, float | Tensor] = dict(batch.metrics)
         metrics.update(totals)
@@ -205,15 +205,15 @@ def trim_padding(batch: RolloutBatch) -> RolloutBatch:
     )
 
 
-def join_features(batch: RolloutBatch, chunks: list[RolloutBatch], hidden: list[Tensor], step: int) -> PolicyFeatures:
+def join_features(
+    batch: RolloutBatch, pairs: list[tuple[Tensor, RolloutBatch]], hidden: list[Tensor], step: int
+) -> PolicyFeatures:
     """The final hidden states of trimmed micro-batches (`trim_padding`), put back in ``batch``'s layout."""
     p = batch.prompt_ids.shape[1]
     out = hidden[0].new_zeros(len(batch), batch.input_ids.shape[1], hidden[0].shape[-1])  # (B, P + C, H)
-    start = 0
-    for chunk, h in zip(chunks, hidden):
+    for (rows, chunk), h in zip(pairs, hidden):
         pp, cc = chunk.prompt_ids.shape[1], chunk.completion_ids.shape[1]
-        out[start : start + len(chunk), p - pp : p + cc] = h
-        start += len(chunk)
+        out[rows.to(out.device), p - pp : p + cc] = h
     completion_mask = torch.zeros_like(batch.attention_mask)
     completion_mask[:, p:] = batch.completion_mask
     return PolicyFeatures(

@@ -77,7 +77,7 @@ def test_05b_is_qwen25_05b_shaped() -> None:
     assert (shape.num_hidden_layers, shape.num_attention_heads, shape.num_key_value_heads) == (24, 14, 2)
     assert (shape.vocab_size, shape.tie_word_embeddings) == (151_936, True)
     cfg = build_config("qwen2", "0.5b")
-    assert cfg.vocab_size == 151_936 and cfg.tie_word_embeddings is True
+    assert cfg.vocab_size == 151_936 and cfg.tie_word_embeddings is True and cfg.max_position_embeddings == 32768
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # one matrix, as in Qwen2.5-0.5B

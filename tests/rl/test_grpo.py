@@ -143,6 +143,7 @@ def test_micro_batches_give_the_whole_batch_update(tmp_path: Path, loss_type: st
         runs[micro] = (module, rec, grads, [r for r in read_csv(tmp_path / str(micro)) if r.get("loss")])
     (whole, rec_whole, grads_whole, rows_whole), (micro, rec_micro, grads_micro, rows_micro) = runs[None], runs[3]
     assert torch.equal(rec_whole.batches[0], rec_micro.batches[0])  # the same rollout, 8 rows: chunks of 3, 3, 2
+    assert len(micro.micro_batches(_batch_of(8))) == 3
     # the gradients of the first step (on-policy) are the whole batch's; Adam turns float noise in
     # near-zero gradients into full-size steps, so the weights are not compared
     for name, value in grads_whole.steps[0].items():
@@ -156,10 +157,10 @@ def test_micro_batches_give_the_whole_batch_update(tmp_path: Path, loss_type: st
     torch.testing.assert_close(b.hidden_states[real], a.hidden_states[real], atol=1e-5, rtol=1e-4)
 
 
-def _batch_of(module: GRPOModule, data_rows: int) -> RolloutBatch:
-    """A right-padded batch of ``data_rows`` rows whose completions grow by one token per row."""
+def _batch_of(data_rows: int) -> RolloutBatch:
+    """A right-padded batch of ``data_rows`` rows whose completions have lengths ``data_rows, ..., 1``."""
     c = data_rows + 2
-    completion_mask = (torch.arange(c)[None, :] < torch.arange(1, data_rows + 1)[:, None]).long()
+    completion_mask = (torch.arange(c)[None, :] < torch.arange(data_rows, 0, -1)[:, None]).long()
     ones = torch.ones(data_rows, 3, dtype=torch.long)
     zeros = torch.zeros(data_rows)
     return RolloutBatch(
@@ -171,12 +172,13 @@ def _batch_of(module: GRPOModule, data_rows: int) -> RolloutBatch:
 
 def test_micro_batches_are_trimmed() -> None:
     module, _ = make(micro_batch_size=3)
-    batch = _batch_of(module, 8)
-    chunks = module.micro_batches(batch)
-    assert [len(c) for c in chunks] == [3, 3, 2]
-    assert [c.completion_ids.shape[1] for c in chunks] == [3, 6, 8]  # each cut to its longest completion
-    assert all(c.prompt_ids.shape[1] == 3 for c in chunks)
-    assert torch.equal(torch.cat([c.completion_mask.sum(1) for c in chunks]), batch.completion_mask.sum(1))
+    batch = _batch_of(8)
+    pairs = module.micro_batches(batch)
+    assert [rows.tolist() for rows, _ in pairs] == [[7, 6, 5], [4, 3, 2], [1, 0]]  # shortest completions first
+    assert [c.completion_ids.shape[1] for _, c in pairs] == [3, 6, 8]  # each cut to its longest completion
+    assert all(c.prompt_ids.shape[1] == 3 for _, c in pairs)
+    for rows, chunk in pairs:
+        assert torch.equal(chunk.completion_mask.sum(1), batch.completion_mask.sum(1)[rows])
     with pytest.raises(ValueError, match="micro_batch_size must be >= 1 or None, got 0"):
         GRPOConfig(micro_batch_size=0)
 
