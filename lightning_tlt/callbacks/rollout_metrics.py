@@ -3,7 +3,9 @@
 The RL modules already log TRL's metrics of each batch (``reward``, ``completions/*``, ``kl``,
 ...); this callback adds what only the engine's step events show: how the rollout's time splits
 between the full batch and its long tail, and TRL's ``step_time``. It also prints a readable line
-every ``print_every_n_steps`` (reward, lengths, throughput, speculation).
+every ``print_every_n_steps`` (reward and each reward function's mean beside it, so correctness is
+never hidden inside a total that format alone can raise; lengths, throughput, speculation), after
+a one-time legend (`SUMMARY_LEGEND`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class RolloutMetricsCallback(Callback):
         self._last_end: float | None = None
         self._state = {"printed": 0}
         self._batch_start_step = 0
+        self._legend_shown = False
         self._datamodule: Any = None
 
     def _on_event(self, event: StepEvent) -> None:
@@ -93,6 +96,9 @@ class RolloutMetricsCallback(Callback):
             pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=size)
         n, step = self.print_every_n_steps, trainer.global_step
         if n and step // n != self._batch_start_step // n:  # this batch reached (or passed) a multiple of n
+            if not self._legend_shown:
+                rank_zero_info(SUMMARY_LEGEND)
+                self._legend_shown = True
             max_steps = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps > 0 else None
             rank_zero_info(summary_line(step, getattr(batch, "metrics", {}), metrics, max_steps=max_steps))
             self._state["printed"] += 1
@@ -112,16 +118,44 @@ class RolloutMetricsCallback(Callback):
         self._state.update(state_dict)
 
 
+SUMMARY_LEGEND = """columns of the per-step lines below:
+  step         optimizer step reached / max_steps (num_iterations of them per RL step; the CSV's step)
+  reward       mean total reward ± std over the step's completions (the sum of the reward functions),
+               then each function's mean: correctness = right final answer, format = well-formed answer
+               line (logged as rewards/<func>/mean)
+  len          mean completion length in tokens (clipped: share cut at max_completion_length)
+  tok/s        rollout throughput
+  spec/accept  share of decode steps that speculated / tokens per row per speculative step (1 = none accepted)
+  s            wall time of the RL step"""
+"""Printed once before the first summary line: what each column of `summary_line` means."""
+
+
+def short_reward_name(name: str) -> str:
+    """``countdown_search_correctness`` -> ``correctness`` (a task's prefix dropped); other names unchanged."""
+    for kind in ("correctness", "format"):
+        if name == kind or name.endswith("_" + kind):
+            return kind
+    return name
+
+
 def summary_line(step: int, m: dict[str, float], extra: dict[str, float], max_steps: int | None = None) -> str:
-    """``step 12/32 | reward 0.41 ± 0.30 | len 37.5 (clipped 3%) | 1,234 tok/s | spec 40% accept 2.30 | 1.20 s``.
+    """``step 12/32 | reward 1.41 ± 0.30 (correctness 0.42, format 0.99) | len 37.5 (clipped 3%) | ...``.
 
     ``step`` is the optimizer step reached (``trainer.global_step``: the CSV's ``step``, what ``max_steps``
-    counts and checkpoint names show); ``spec 40% accept 2.30``: 40 % of the rollout's decode steps
-    speculated, and each speculative step gave 2.30 tokens per row on average (1 = no draft accepted).
+    counts and checkpoint names show). Each reward function's mean (``rewards/<func>/mean``) follows the
+    total, so a total that rises through the format reward alone cannot pass for learning. ``spec 40%
+    accept 2.30``: 40 % of the rollout's decode steps speculated, and each speculative step gave 2.30
+    tokens per row on average (1 = no draft accepted).
     """
     parts = [f"step {step}/{max_steps}" if max_steps else f"step {step}"]
     if "reward" in m:
-        parts.append(f"reward {m['reward']:.3f} ± {m.get('reward_std', 0.0):.3f}")
+        reward = f"reward {m['reward']:.3f} ± {m.get('reward_std', 0.0):.3f}"
+        funcs = [
+            f"{short_reward_name(key[len('rewards/') : -len('/mean')])} {value:.3f}"
+            for key, value in m.items()
+            if key.startswith("rewards/") and key.endswith("/mean")
+        ]
+        parts.append(reward + (f" ({', '.join(funcs)})" if funcs else ""))
     if "completions/mean_length" in m:
         parts.append(
             f"len {m['completions/mean_length']:.1f} (clipped {100 * m.get('completions/clipped_ratio', 0.0):.0f}%)"

@@ -21,6 +21,7 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +70,13 @@ def warm_start_dir(
     steps: int = 1000,
     batch_size: int = 32,
     lr: float = 3e-3,
+    max_length: int | None = None,
+    batch_tokens: int | None = None,
+    max_time_s: float | None = None,
     cache_dir: str | Path | None = None,
 ) -> Path:
     """Where `warm_start` with these settings caches its result."""
-    settings = _settings(task, arch, size, difficulty, seed, steps, batch_size, lr)
+    settings = _settings(task, arch, size, difficulty, seed, steps, batch_size, lr, max_length, batch_tokens, max_time_s)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     return root / warm_start_key(settings)
 
@@ -87,6 +91,9 @@ def warm_start(
     steps: int = 1000,
     batch_size: int = 32,
     lr: float = 3e-3,
+    max_length: int | None = None,
+    batch_tokens: int | None = None,
+    max_time_s: float | None = None,
     cache_dir: str | Path | None = None,
     device: str = "cpu",
     progress: bool = True,
@@ -109,6 +116,12 @@ def warm_start(
         steps: optimizer steps.
         batch_size: sequences per step.
         lr: peak learning rate (cosine schedule, 5 % warmup).
+        max_length: longest SFT sequence in tokens (longer ones are cut); ``None``: 64 plus the
+            task's length budget (`Task.max_completion_tokens`).
+        batch_tokens: most padded tokens per batch: a batch of long sequences holds fewer than
+            ``batch_size`` (bounds memory at a large vocabulary); ``None``: ``batch_size`` always.
+        max_time_s: stop training after this many seconds even before ``steps`` (Lightning's
+            ``max_time``; the steps made are recorded as ``steps_done``); ``None``: no bound.
         cache_dir: root of the cache; default `default_cache_dir`.
         device: ``"cpu"`` or ``"cuda"`` (bf16 mixed precision there).
         progress: show a progress bar over the SFT steps (only when it trains); the "loaded from the
@@ -121,14 +134,14 @@ def warm_start(
     Returns:
         ``(model, tokenizer)``, the model in eval mode on the CPU, float32.
     """
-    settings = _settings(task, arch, size, difficulty, seed, steps, batch_size, lr)
+    settings = _settings(task, arch, size, difficulty, seed, steps, batch_size, lr, max_length, batch_tokens, max_time_s)
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if cpu_threads is not None and cpu_threads < 1:
         raise ValueError(f"cpu_threads must be >= 1 or None, got {cpu_threads!r}")
     directory = warm_start_dir(
         task, arch, size, difficulty=difficulty, seed=seed, steps=steps, batch_size=batch_size, lr=lr,
-        cache_dir=cache_dir,
+        max_length=max_length, batch_tokens=batch_tokens, max_time_s=max_time_s, cache_dir=cache_dir,
     )
     name = f"{settings['arch']}/{settings['size']} on {settings['task']} (difficulty {difficulty})"
     if (directory / METADATA_FILE).is_file() and (directory / "config.json").is_file():
@@ -159,6 +172,7 @@ def warm_start(
     metadata = {
         "settings": settings,
         "parameters": count_parameters(model),
+        "steps_done": len(history),
         "first_loss": history[0],
         "final_loss": sum(tail) / len(tail),
         "train_seconds": round(seconds, 2),
@@ -188,7 +202,8 @@ def warm_start_metadata(directory: str | Path) -> dict[str, Any]:
 
 
 def _settings(
-    task: str, arch: str, size: str, difficulty: int, seed: int, steps: int, batch_size: int, lr: float
+    task: str, arch: str, size: str, difficulty: int, seed: int, steps: int, batch_size: int, lr: float,
+    max_length: int | None = None, batch_tokens: int | None = None, max_time_s: float | None = None,
 ) -> dict[str, Any]:
     get_task(task).check_difficulty(difficulty)
     if size not in ZOO_SIZES:
@@ -199,7 +214,15 @@ def _settings(
         raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
     if not lr > 0:
         raise ValueError(f"lr must be > 0, got {lr!r}")
-    return {
+    if max_length is not None and max_length < 2:
+        raise ValueError(f"max_length must be >= 2 or None, got {max_length!r}")
+    if batch_tokens is not None and batch_tokens < 1:
+        raise ValueError(f"batch_tokens must be >= 1 or None, got {batch_tokens!r}")
+    if max_time_s is not None and not max_time_s > 0:
+        raise ValueError(f"max_time_s must be > 0 or None, got {max_time_s!r}")
+    optional = (("max_length", max_length), ("batch_tokens", batch_tokens), ("max_time_s", max_time_s))
+    bounds = {k: v for k, v in optional if v is not None}
+    return bounds | {
         "task": get_task(task).name,
         "arch": arch,
         "size": size,
@@ -221,10 +244,12 @@ def _train(
     n = settings["steps"] * settings["batch_size"]
     data = task.make_sft_dataset(n, difficulty=settings["difficulty"], seed=settings["seed"]).to_list()
     # long solutions are cut at the task's length budget (they still teach the tail's start)
-    max_length = 64 + task.max_completion_tokens(settings["difficulty"])
+    max_length = settings.get("max_length") or 64 + task.max_completion_tokens(settings["difficulty"])
     collator = SFTCollator(tokenizer, max_length=max_length)
-    lengths = [len(row["prompt"]) + len(row["completion"]) for row in data]
-    sampler = LengthGroupedBatchSampler(lengths, settings["batch_size"], seed=settings["seed"])
+    lengths = [min(max_length, len(row["prompt"]) + len(row["completion"]) + 2) for row in data]
+    sampler = LengthGroupedBatchSampler(
+        lengths, settings["batch_size"], seed=settings["seed"], max_tokens=settings.get("batch_tokens")
+    )
     loader = DataLoader(data, batch_sampler=sampler, collate_fn=collator)
     module = SFTModule(model, SFTConfig(learning_rate=settings["lr"]))
     trainer = Trainer(
@@ -232,6 +257,7 @@ def _train(
         devices=1,
         precision="bf16-mixed" if device == "cuda" else "32-true",
         max_steps=settings["steps"],
+        max_time=None if settings.get("max_time_s") is None else timedelta(seconds=settings["max_time_s"]),
         gradient_clip_val=1.0,
         logger=False,
         enable_checkpointing=False,
@@ -348,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Warm-start (or load from the cache) a zoo policy on a task's worked solutions, "
         "then print its loss, held-out greedy accuracy and time.",
     )
-    parser.add_argument("--task", default="arithmetic", help="registered task (arithmetic, countdown)")
+    parser.add_argument("--task", default="arithmetic", help="registered task (arithmetic, countdown, countdown_search)")
     parser.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen3"])
     parser.add_argument("--size", default="tiny", choices=list(ZOO_SIZES))
     parser.add_argument("--difficulty", type=int, default=1, help="task difficulty of data and evaluation")
@@ -356,6 +382,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=1000, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per step")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine)")
+    parser.add_argument("--max-length", type=int, default=None, help="longest SFT sequence (default: task budget)")
+    parser.add_argument("--batch-tokens", type=int, default=None, help="most padded tokens per batch")
+    parser.add_argument("--max-time-s", type=float, default=None, help="stop training after this many seconds")
     parser.add_argument(
         "--cache-dir", default=None, help="default: $LIGHTNING_TLT_CACHE or ~/.cache/lightning_tlt"
     )
@@ -368,7 +397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.device == "cpu" and args.cpu_threads is not None:
         torch.set_num_threads(args.cpu_threads)  # this process only: evaluation runs with it too
     common = dict(
-        difficulty=args.difficulty, seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr
+        difficulty=args.difficulty, seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+        max_length=args.max_length, batch_tokens=args.batch_tokens, max_time_s=args.max_time_s,
     )
     start = time.perf_counter()
     model, tokenizer = warm_start(

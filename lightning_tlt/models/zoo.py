@@ -33,7 +33,7 @@ ARCHS: tuple[str, ...] = ("qwen2", "llama", "qwen3")
 
 @dataclass(frozen=True)
 class ZooSize:
-    """Shape of one named model size (the vocabulary comes from the tokenizer)."""
+    """Shape of one named model size."""
 
     hidden_size: int
     """Width of the residual stream."""
@@ -45,6 +45,12 @@ class ZooSize:
     """Key/value heads (grouped-query attention when smaller than the query heads)."""
     intermediate_size: int
     """Width of the SwiGLU MLP."""
+    vocab_size: int | None = None
+    """Rows of the embedding and LM head; ``None``: the kit tokenizer's vocabulary rounded up to 64."""
+    tie_word_embeddings: bool = False
+    """Share one matrix between the embedding and the LM head (as Qwen2.5-0.5B does)."""
+    max_position_embeddings: int = 4096
+    """Longest context the config declares (Qwen2.5-0.5B: 32,768)."""
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
@@ -62,41 +68,21 @@ class ZooSize:
         return self.hidden_size // self.num_attention_heads
 
 
+QWEN25_05B_VOCAB = 151_936
+"""Rows of Qwen2.5-0.5B's (tied) embedding and LM head."""
+
 ZOO_SIZES: dict[str, ZooSize] = {
-    # ~0.3 M parameters: CPU unit tests; 2 query heads share 1 KV head (GQA exercised)
-    "tiny": ZooSize(
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=256,
-    ),
-    # ~3.2 M: CPU demos and the warm start
-    "small": ZooSize(
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=768,
-    ),
-    # ~104 M: GPU benchmarks
-    "100m": ZooSize(
-        hidden_size=768,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        intermediate_size=3072,
-    ),
-    # ~0.36 B: the body of Qwen2-0.5B
-    "400m": ZooSize(
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        intermediate_size=4864,
+    # hidden, layers, heads, KV heads, MLP
+    "tiny": ZooSize(128, 2, 2, 1, 256),  # ~0.3 M: CPU unit tests and demos; GQA exercised
+    "small": ZooSize(256, 4, 4, 2, 768),  # ~3.2 M: CPU demos
+    "100m": ZooSize(768, 12, 12, 4, 3072),  # ~104 M: GPU benchmarks
+    "400m": ZooSize(896, 24, 14, 2, 4864),  # ~0.36 B: the body of Qwen2.5-0.5B
+    # 494 M, as Qwen2.5-0.5B: the 400m body with its tied 151,936-row embedding and LM head
+    "0.5b": ZooSize(
+        896, 24, 14, 2, 4864, vocab_size=QWEN25_05B_VOCAB, tie_word_embeddings=True, max_position_embeddings=32768
     ),
 }
-"""Named sizes of the zoo (parameter counts with the default 128-token vocabulary)."""
+"""Named sizes of the zoo (parameter counts in docs/zoo_and_tasks.md)."""
 
 _CONFIGS: dict[str, type[PretrainedConfig]] = {
     "qwen2": Qwen2Config,
@@ -119,11 +105,11 @@ def build_config(
     if size not in ZOO_SIZES:
         raise ValueError(f"size must be one of {list(ZOO_SIZES)}, got {size!r}")
     tokenizer = build_tokenizer()
+    shape = ZOO_SIZES[size]
     if vocab_size is None:
-        vocab_size = default_vocab_size()
+        vocab_size = shape.vocab_size if shape.vocab_size is not None else default_vocab_size()
     if vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size must be >= the tokenizer's {len(tokenizer)} tokens, got {vocab_size!r}")
-    shape = ZOO_SIZES[size]
     kwargs = dict(
         vocab_size=vocab_size,
         hidden_size=shape.hidden_size,
@@ -131,9 +117,9 @@ def build_config(
         num_attention_heads=shape.num_attention_heads,
         num_key_value_heads=shape.num_key_value_heads,
         intermediate_size=shape.intermediate_size,
-        max_position_embeddings=4096,
+        max_position_embeddings=shape.max_position_embeddings,
         rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
+        tie_word_embeddings=shape.tie_word_embeddings,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -166,14 +152,15 @@ def build_model(
     Args:
         arch: ``"qwen2"`` (q/k/v biases, as Qwen2), ``"llama"`` or ``"qwen3"`` (q/k norms).
         size: a key of `ZOO_SIZES`.
-        vocab_size: rows of the embedding and LM head; default: the kit tokenizer's vocabulary
-            rounded up to a multiple of 64.
+        vocab_size: rows of the embedding and LM head; default: the size's own (151,936 for
+            ``0.5b``), else the kit tokenizer's vocabulary rounded up to a multiple of 64. The kit
+            tokenizer uses the first ids; the other rows are never a target.
         seed: seed of the init.
         dtype: parameter dtype.
 
     Returns:
         An ``AutoModelForCausalLM`` in eval mode, with pad/bos/eos ids of the kit tokenizer and
-        untied embeddings.
+        untied embeddings (tied for ``0.5b``, as Qwen2.5-0.5B).
     """
     config = build_config(arch, size, vocab_size=vocab_size)
     with torch.random.fork_rng(devices=[]):

@@ -334,9 +334,13 @@ class RLModule(pl.LightningModule):
 
     def _step(self, loss: Tensor) -> None:
         """One manual optimizer step on ``loss`` (backward, clip, step, schedule)."""
-        optimizer = self._optimizer()
-        optimizer.zero_grad(set_to_none=True)
+        self._optimizer().zero_grad(set_to_none=True)
         self.manual_backward(loss)
+        self._finish_step()
+
+    def _finish_step(self) -> None:
+        """Clip, step and schedule on the gradients accumulated since the last ``zero_grad``."""
+        optimizer = self._optimizer()
         if self.config.max_grad_norm > 0:
             self.clip_gradients(optimizer, gradient_clip_val=self.config.max_grad_norm, gradient_clip_algorithm="norm")
         self._applied_lr = float(optimizer.param_groups[0]["lr"])

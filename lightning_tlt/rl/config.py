@@ -107,10 +107,18 @@ class GRPOConfig(OptimConfig):
     """Multiply the per-token KL by the importance ratio, as TRL does by default."""
     reward_weights: list[float] | None = None
     """Weight of each reward function in the summed reward; ``None`` weighs each by 1."""
+    micro_batch_size: int | None = None
+    """Rows per forward/backward (the kit's; TRL splits with ``per_device_train_batch_size`` and
+    ``gradient_accumulation_steps``): each pass accumulates the gradients of its micro-batches, each cut
+    to its own longest completion, into one optimizer step with the loss of the whole batch. ``None``:
+    the whole batch in one forward. Long completions at a large vocabulary need it (the logits of
+    64 rows of 4,096 tokens at 151,936 entries are 80 GB in bf16)."""
 
     def __post_init__(self) -> None:
         self._validate_optim()
         self.scale_rewards = normalize_scale_rewards(self.scale_rewards)  # type: ignore[assignment]
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1 or None, got {self.micro_batch_size!r}")
         if self.num_generations < 2:
             raise ValueError(
                 f"num_generations must be >= 2 (GRPO's advantages compare completions of one prompt), "

@@ -9,6 +9,7 @@ with the clipped objective of `lightning_tlt.rl.losses.grpo_loss` and the metric
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from typing_extensions import override
 from lightning_tlt.rl.advantages import masked_mean
 from lightning_tlt.rl.batch import RolloutBatch, RolloutSettings
 from lightning_tlt.rl.common import (
+    PolicyFeatures,
     PolicySpec,
     RLModule,
     check_completion_length,
@@ -97,14 +99,26 @@ class GRPOModule(RLModule):
         return mask
 
     def compute_loss(
-        self, batch: RolloutBatch, old_logps: Tensor | None, ref_logps: Tensor | None, harvest: bool = False
+        self,
+        batch: RolloutBatch,
+        old_logps: Tensor | None,
+        ref_logps: Tensor | None,
+        harvest: bool = False,
+        *,
+        num_sequences: int | None = None,
+        num_items: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, Tensor], Tensor]:
-        """One pass: forward, GRPO loss. Returns the loss, its stats and the detached log-probs."""
+        """One pass: forward, GRPO loss. Returns the loss, its stats and the detached log-probs.
+
+        On a micro-batch, ``num_sequences`` and ``num_items`` are the whole batch's (rows, and
+        tokens that count), so the micro-batches' losses add up to the whole batch's.
+        """
         cfg = self.config
         fwd = completion_forward(self.policy, batch, temperature=cfg.temperature, output_hidden_states=harvest)
         if harvest:
             self._store_features(batch, fwd.hidden_states)
         mask = self.loss_mask(batch)
+        total = mask.sum() if num_items is None else num_items
         out = grpo_loss(
             fwd.logps,
             fwd.logps.detach() if old_logps is None else old_logps,
@@ -118,30 +132,64 @@ class GRPOModule(RLModule):
             ref_logps=ref_logps,
             use_bias_correction_kl=cfg.use_bias_correction_kl,
             max_completion_length=cfg.max_completion_length,
-            num_items=mask.sum(),
+            num_sequences=num_sequences,
+            num_items=total,
         )
+        loss = out.loss
+        if cfg.loss_type == "bnpo" and num_items is not None:  # a token mean: weigh this chunk's by its tokens
+            loss = loss * mask.sum() / num_items.clamp(min=1.0)
         out.stats["entropy"] = masked_mean(fwd.entropies, mask)
-        return out.loss, out.stats, fwd.logps.detach()
+        return loss, out.stats, fwd.logps.detach()
+
+    def micro_batches(self, batch: RolloutBatch) -> list[tuple[Tensor, RolloutBatch]]:
+        """``(rows, micro-batch)`` pairs: ``batch``'s rows by completion length, cut into
+        `GRPOConfig.micro_batch_size` rows, each trimmed to its own longest prompt and completion (so
+        the long tail is padded with itself only). The whole batch when unset or not smaller."""
+        size = self.config.micro_batch_size
+        if size is None or size >= len(batch):
+            return [(torch.arange(len(batch)), batch)]
+        order = torch.argsort(batch.completion_mask.sum(1), stable=True)
+        return [(rows, trim_padding(batch.select(rows))) for rows in order.split(size)]
 
     @override
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
-        ref_logps = None
+        pairs = self.micro_batches(batch)
+        chunks = [chunk for _, chunk in pairs]
+        whole = len(chunks) == 1
+        num_items = None if whole else self.loss_mask(batch).sum()
+        ref_logps: list[Tensor | None] = [None] * len(chunks)
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_logps = completion_forward(self.ref_model, batch, temperature=self.config.temperature).logps
-        old_logps: Tensor | None = None  # the first pass is on-policy: its own detached log-probs
+                ref_logps = [
+                    completion_forward(self.ref_model, c, temperature=self.config.temperature).logps for c in chunks
+                ]
+        old_logps: list[Tensor | None] = [None] * len(chunks)  # the first pass is on-policy
         totals: dict[str, Tensor] = {}
         losses = []
         passes = self.optimizer_steps_left(self.config.num_iterations)  # never past max_steps
         for it in range(passes):
             harvest = it == 0 and self.policy_features_requested
-            loss, stats, logps = self.compute_loss(batch, old_logps, ref_logps, harvest=harvest)
-            if old_logps is None:
-                old_logps = logps
-            self._step(loss)
-            losses.append(loss.detach())
-            for k, v in stats.items():
-                totals[k] = totals.get(k, 0.0) + v / passes
+            hidden: list[Tensor] = []
+            self._optimizer().zero_grad(set_to_none=True)
+            pass_loss = torch.zeros((), device=batch.completion_ids.device)
+            for k, chunk in enumerate(chunks):
+                loss, stats, logps = self.compute_loss(
+                    chunk, old_logps[k], ref_logps[k], harvest=harvest,
+                    num_sequences=None if whole else len(batch), num_items=num_items,
+                )
+                if harvest and not whole and self._policy_features is not None:
+                    hidden.append(self._policy_features.hidden_states)
+                if old_logps[k] is None:
+                    old_logps[k] = logps
+                self.manual_backward(loss)
+                pass_loss = pass_loss + loss.detach()
+                weight = 1.0 if whole else self.loss_mask(chunk).sum() / num_items.clamp(min=1.0)  # type: ignore[union-attr]
+                for name, v in stats.items():  # token means of the chunks, weighed by their tokens
+                    totals[name] = totals.get(name, 0.0) + v * weight / passes
+            self._finish_step()
+            losses.append(pass_loss)
+            if hidden:
+                self._policy_features = join_features(batch, pairs, hidden, int(self.global_step))
         mean_loss = torch.stack(losses).mean()
         metrics: dict[str, float | Tensor] = dict(batch.metrics)
         metrics.update(totals)
@@ -149,3 +197,35 @@ class GRPOModule(RLModule):
         metrics["learning_rate"] = self._learning_rate()
         self._log_metrics(metrics, len(batch))
         return mean_loss
+
+
+def trim_padding(batch: RolloutBatch) -> RolloutBatch:
+    """``batch`` without the prompt columns that are padding in every row (left) and the completion
+    columns past its longest completion (right)."""
+    prompt_width = max(1, int(batch.prompt_mask.sum(1).max()))
+    completion_width = max(1, int(batch.completion_mask.sum(1).max()))
+    return dataclasses.replace(
+        batch,
+        prompt_ids=batch.prompt_ids[:, -prompt_width:],
+        prompt_mask=batch.prompt_mask[:, -prompt_width:],
+        completion_ids=batch.completion_ids[:, :completion_width],
+        completion_mask=batch.completion_mask[:, :completion_width],
+        sampling_logprobs=batch.sampling_logprobs[:, :completion_width],
+    )
+
+
+def join_features(
+    batch: RolloutBatch, pairs: list[tuple[Tensor, RolloutBatch]], hidden: list[Tensor], step: int
+) -> PolicyFeatures:
+    """The final hidden states of trimmed micro-batches (`trim_padding`), put back in ``batch``'s layout."""
+    p = batch.prompt_ids.shape[1]
+    out = hidden[0].new_zeros(len(batch), batch.input_ids.shape[1], hidden[0].shape[-1])  # (B, P + C, H)
+    for (rows, chunk), h in zip(pairs, hidden):
+        pp, cc = chunk.prompt_ids.shape[1], chunk.completion_ids.shape[1]
+        out[rows.to(out.device), p - pp : p + cc] = h
+    completion_mask = torch.zeros_like(batch.attention_mask)
+    completion_mask[:, p:] = batch.completion_mask
+    return PolicyFeatures(
+        hidden_states=out, input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+        completion_mask=completion_mask, step=step,
+    )

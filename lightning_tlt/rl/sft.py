@@ -151,36 +151,60 @@ class LengthGroupedBatchSampler(Sampler[list[int]]):
 
     Indices are shuffled, cut into windows of ``batch_size * window_batches``, sorted by length
     inside each window, cut into batches, and the batches shuffled. Every index appears once per
-    epoch; the order is fixed by ``seed`` and the epoch count.
+    epoch; the order is fixed by ``seed`` and the epoch count. With ``max_tokens``, a batch also
+    closes before its padded size (rows x longest) would pass ``max_tokens``: long sequences come
+    in smaller batches, so memory is bounded by tokens, not rows.
     """
 
     def __init__(
-        self, lengths: Sequence[int], batch_size: int, *, seed: int = 0, window_batches: int = 32
+        self,
+        lengths: Sequence[int],
+        batch_size: int,
+        *,
+        seed: int = 0,
+        window_batches: int = 32,
+        max_tokens: int | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
         if window_batches < 1:
             raise ValueError(f"window_batches must be >= 1, got {window_batches!r}")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None, got {max_tokens!r}")
         self.lengths = list(lengths)
         self.batch_size = batch_size
         self.seed = seed
         self.window = batch_size * window_batches
+        self.max_tokens = max_tokens
         self._epoch = 0
 
     def __len__(self) -> int:
-        return math.ceil(len(self.lengths) / self.batch_size)
+        if self.max_tokens is None:
+            return math.ceil(len(self.lengths) / self.batch_size)
+        return len(self._batches(self._epoch))
 
     def __iter__(self) -> Iterator[list[int]]:
-        rng = random.Random(f"{self.seed}/{self._epoch}")
+        batches = self._batches(self._epoch)
         self._epoch += 1
+        return iter(batches)
+
+    def _batches(self, epoch: int) -> list[list[int]]:
+        rng = random.Random(f"{self.seed}/{epoch}")
         order = list(range(len(self.lengths)))
         rng.shuffle(order)
-        batches = []
+        batches: list[list[int]] = []
         for start in range(0, len(order), self.window):
-            window = sorted(order[start : start + self.window], key=self.lengths.__getitem__)
-            batches += [window[i : i + self.batch_size] for i in range(0, len(window), self.batch_size)]
+            batch: list[int] = []
+            for i in sorted(order[start : start + self.window], key=self.lengths.__getitem__):
+                full = len(batch) == self.batch_size
+                if batch and (full or (self.max_tokens and (len(batch) + 1) * self.lengths[i] > self.max_tokens)):
+                    batches.append(batch)
+                    batch = []
+                batch.append(i)
+            if batch:
+                batches.append(batch)
         rng.shuffle(batches)
-        return iter(batches)
+        return batches
 
 
 class SFTModule(LightningModule):

@@ -32,21 +32,22 @@ from lightning_tlt.data.tasks.countdown import evaluate_expression
 
 
 def test_registry() -> None:
-    assert set(TASKS) >= {"arithmetic", "countdown"}
+    assert set(TASKS) >= {"arithmetic", "countdown", "countdown_search"}
     assert get_task("arithmetic") is TASKS["arithmetic"]
     assert get_task(TASKS["countdown"]) is TASKS["countdown"]
     with pytest.raises(
-        ValueError, match=r"unknown task 'gsm8k'; registered tasks: \['arithmetic', 'countdown'\]"
+        ValueError,
+        match=r"unknown task 'gsm8k'; registered tasks: \['arithmetic', 'countdown', 'countdown_search'\]",
     ):
         get_task("gsm8k")
     for name, task in TASKS.items():
         assert [f.__name__ for f in task.reward_funcs] == [f"{name}_correctness", f"{name}_format"]
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "countdown"])
+@pytest.mark.parametrize("name", ["arithmetic", "countdown", "countdown_search"])
 def test_prompt_only_dataset_columns(name: str, tokenizer: PreTrainedTokenizerFast) -> None:
     task = TASKS[name]
-    extra = ["numbers", "target"] if name == "countdown" else []
+    extra = ["numbers", "target"] if name.startswith("countdown") else []
     plain = task.make_dataset(16, difficulty=1, seed=0)
     assert plain.column_names == ["prompt", "answer", "difficulty", *extra]
     assert len(plain) == 16 and set(plain["difficulty"]) == {1}
@@ -233,7 +234,11 @@ def test_sample_detours_law() -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "difficulty"), [("arithmetic", 1), ("countdown", 1), ("arithmetic", 3), ("countdown", 3)]
+    ("name", "difficulty"),
+    [
+        ("arithmetic", 1), ("countdown", 1), ("arithmetic", 3), ("countdown", 3),
+        ("countdown_search", 3), ("countdown_search", 4),
+    ],
 )
 def test_solution_lengths_have_a_long_tail(
     name: str, difficulty: int, tokenizer: PreTrainedTokenizerFast
@@ -253,7 +258,7 @@ def test_solution_lengths_have_a_long_tail(
         assert budget % 32 == 0 and (lengths <= budget).mean() >= 0.985
 
 
-@pytest.mark.parametrize("name", ["arithmetic", "countdown"])
+@pytest.mark.parametrize("name", ["arithmetic", "countdown", "countdown_search"])
 def test_difficulty_stretches_solutions(name: str) -> None:
     task = TASKS[name]
     medians = [
@@ -269,13 +274,13 @@ def test_difficulty_stretches_solutions(name: str) -> None:
 @settings(max_examples=150, deadline=None)
 @given(
     parts=st.lists(
-        st.sampled_from(list("0123456789+-*/() #\n=x.") + ["####", "#### ", "\x00", "é"]), max_size=40
+        st.sampled_from(list("0123456789+-*/() #\n=x.,!") + ["####", "#### ", "\x00", "é", " vs "]), max_size=40
     )
 )
 def test_rewards_never_raise_on_arbitrary_text(parts: list[str]) -> None:
     text = "".join(parts)
     kwargs = {"answer": ["(3+5)*2"], "numbers": [[3, 5, 2]], "target": [16]}
     for completion in (text, [{"role": "assistant", "content": text}]):
-        for reward in (*TASKS["arithmetic"].reward_funcs, *TASKS["countdown"].reward_funcs):
+        for reward in (t for name in TASKS for t in TASKS[name].reward_funcs):
             (value,) = reward(["p"], [completion], **kwargs)
             assert value in (0.0, 1.0)

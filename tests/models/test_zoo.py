@@ -28,12 +28,15 @@ EXPECTED_PARAMS = {
     ("qwen2", "100m"): 104_040_192,
     ("qwen2", "400m"): 358_127_488,
     ("llama", "400m"): 358_099_840,
+    # Qwen2.5-0.5B: 494,032,768 parameters (its config: hidden 896, 24 layers, 14/2 heads, MLP 4,864,
+    # vocab 151,936, tied embeddings); the hand count is 151,936 x 896 + 24 x 14,912,384 + 896
+    ("qwen2", "0.5b"): 494_032_768,
 }
 
 
 @pytest.mark.parametrize(("arch", "size"), sorted(EXPECTED_PARAMS))
 def test_parameter_counts(arch: str, size: str) -> None:
-    if size in ("100m", "400m"):  # count on the meta device: no memory, no init
+    if size in ("100m", "400m", "0.5b"):  # count on the meta device: no memory, no init
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(build_config(arch, size))
     else:
@@ -66,6 +69,23 @@ def test_400m_matches_qwen2_05b_body() -> None:
     shape = ZOO_SIZES["400m"]
     assert (shape.hidden_size, shape.num_hidden_layers, shape.num_attention_heads) == (896, 24, 14)
     assert (shape.num_key_value_heads, shape.intermediate_size, shape.head_dim) == (2, 4864, 64)
+
+
+def test_05b_is_qwen25_05b_shaped() -> None:
+    body, shape = ZOO_SIZES["400m"], ZOO_SIZES["0.5b"]
+    assert shape.hidden_size == body.hidden_size and shape.intermediate_size == body.intermediate_size
+    assert (shape.num_hidden_layers, shape.num_attention_heads, shape.num_key_value_heads) == (24, 14, 2)
+    assert (shape.vocab_size, shape.tie_word_embeddings) == (151_936, True)
+    cfg = build_config("qwen2", "0.5b")
+    assert cfg.vocab_size == 151_936 and cfg.tie_word_embeddings is True and cfg.max_position_embeddings == 32768
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # one matrix, as in Qwen2.5-0.5B
+    assert model.lm_head.weight.shape == (151_936, 896)
+    # the 400m body plus the one 151,936-row matrix replacing its two 128-row ones
+    assert count_parameters(model) == EXPECTED_PARAMS[("qwen2", "400m")] + 896 * (151_936 - 2 * 128)
+    # an explicit vocab_size still wins over the size's own
+    assert build_config("qwen2", "0.5b", vocab_size=256).vocab_size == 256
 
 
 def test_architectures(tiny_llama: PreTrainedModel, tiny_qwen3: PreTrainedModel) -> None:

@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_tlt.callbacks.rollout_metrics import RolloutMetricsCallback
 from lightning_tlt.callbacks.rollout_progress import RolloutProgressCallback
+from lightning_tlt.data.batch import RolloutBatch
 from lightning_tlt.data.datamodule import RolloutDataModule
 from lightning_tlt.models.zoo import build_model
 from lightning_tlt.rl.common import PolicyFeatureSource
@@ -51,6 +52,16 @@ def read_csv(tmp_path: Path) -> list[dict[str, str]]:
     (path,) = sorted(tmp_path.glob("csv/version_*/metrics.csv"))[-1:]
     with open(path) as f:
         return list(csv.DictReader(f))
+
+
+class Grads(Callback):
+    """The gradients of every parameter just before each optimizer step."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # noqa: ANN001
+        self.steps.append({n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None})
 
 
 class Record(Callback):
@@ -119,6 +130,59 @@ def test_harvest_features_for_drafter_cotraining(tmp_path: Path) -> None:
                       output_hidden_states=True).hidden_states[-1]
     real = feats.attention_mask.bool()
     torch.testing.assert_close(feats.hidden_states[real], ref[real], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])
+def test_micro_batches_give_the_whole_batch_update(tmp_path: Path, loss_type: str) -> None:
+    """Gradients accumulated over trimmed micro-batches (3 rows of 8) equal one whole-batch step."""
+    runs = {}
+    for micro in (None, 3):
+        module, data = make(seed=2, loss_type=loss_type, num_iterations=2, beta=0.04, micro_batch_size=micro)
+        module.harvest_features = True
+        rec, grads = Record(), Grads()
+        trainer(tmp_path / str(micro), 2, [rec, grads]).fit(module, datamodule=data)
+        assert len(rec.batches) == 1 and len(grads.steps) == 2  # two optimizer steps on one rollout batch
+        runs[micro] = (module, rec, grads, [r for r in read_csv(tmp_path / str(micro)) if r.get("loss")])
+    (whole, rec_whole, grads_whole, rows_whole), (micro, rec_micro, grads_micro, rows_micro) = runs[None], runs[3]
+    assert torch.equal(rec_whole.batches[0], rec_micro.batches[0])  # the same rollout, 8 rows: chunks of 3, 3, 2
+    assert len(micro.micro_batches(_batch_of(8))) == 3
+    # the gradients of the first step (on-policy) are the whole batch's; Adam turns float noise in
+    # near-zero gradients into full-size steps, so the weights are not compared
+    for name, value in grads_whole.steps[0].items():
+        torch.testing.assert_close(grads_micro.steps[0][name], value, atol=1e-7, rtol=1e-4, msg=name)
+    for key in ("loss", "kl", "entropy", "clip_ratio/region_mean"):
+        assert float(rows_micro[-1][key]) == pytest.approx(float(rows_whole[-1][key]), rel=1e-4, abs=1e-6), key
+    a, b = whole.last_policy_features, micro.last_policy_features
+    assert a is not None and b is not None
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.completion_mask, b.completion_mask)
+    real = a.attention_mask.bool()
+    torch.testing.assert_close(b.hidden_states[real], a.hidden_states[real], atol=1e-5, rtol=1e-4)
+
+
+def _batch_of(data_rows: int) -> RolloutBatch:
+    """A right-padded batch of ``data_rows`` rows whose completions have lengths ``data_rows, ..., 1``."""
+    c = data_rows + 2
+    completion_mask = (torch.arange(c)[None, :] < torch.arange(data_rows, 0, -1)[:, None]).long()
+    ones = torch.ones(data_rows, 3, dtype=torch.long)
+    zeros = torch.zeros(data_rows)
+    return RolloutBatch(
+        prompt_ids=ones, prompt_mask=ones, completion_ids=completion_mask * 5, completion_mask=completion_mask,
+        sampling_logprobs=torch.zeros(data_rows, c), rewards=zeros, rewards_per_func=zeros[:, None],
+        advantages=zeros, is_truncated=zeros.bool(), num_generations=2,
+    )
+
+
+def test_micro_batches_are_trimmed() -> None:
+    module, _ = make(micro_batch_size=3)
+    batch = _batch_of(8)
+    pairs = module.micro_batches(batch)
+    assert [rows.tolist() for rows, _ in pairs] == [[7, 6, 5], [4, 3, 2], [1, 0]]  # shortest completions first
+    assert [c.completion_ids.shape[1] for _, c in pairs] == [3, 6, 8]  # each cut to its longest completion
+    assert all(c.prompt_ids.shape[1] == 3 for _, c in pairs)
+    for rows, chunk in pairs:
+        assert torch.equal(chunk.completion_mask.sum(1), batch.completion_mask.sum(1)[rows])
+    with pytest.raises(ValueError, match="micro_batch_size must be >= 1 or None, got 0"):
+        GRPOConfig(micro_batch_size=0)
 
 
 def test_checkpoint_resume_equals_uninterrupted_run(tmp_path: Path) -> None:

@@ -102,6 +102,19 @@ def test_length_grouped_batches_cover_every_index_once() -> None:
     assert first != list(sampler)  # the next epoch reshuffles
 
 
+def test_length_grouped_batches_within_a_token_budget() -> None:
+    lengths = [10] * 40 + [100] * 10 + [400] * 3
+    sampler = LengthGroupedBatchSampler(lengths, 16, seed=0, max_tokens=800)
+    batches = list(LengthGroupedBatchSampler(lengths, 16, seed=0, max_tokens=800))
+    assert len(sampler) == len(batches)
+    assert sorted(i for b in batches for i in b) == list(range(53))
+    assert all(len(b) * max(lengths[i] for i in b) <= 800 for b in batches)
+    assert sorted(len(b) for b in batches if lengths[b[0]] == 400) == [1, 2]  # 2 x 400 fit, 3 do not
+    assert max(len(b) for b in batches) == 16  # short rows still fill whole batches
+    with pytest.raises(ValueError, match="max_tokens must be >= 1 or None, got 0"):
+        LengthGroupedBatchSampler(lengths, 16, max_tokens=0)
+
+
 def test_lr_schedule_and_config_validation() -> None:
     cfg = SFTConfig(learning_rate=1e-3, warmup_ratio=0.1, min_lr_ratio=0.1)
     assert lr_factor(0, 100, cfg) == pytest.approx(0.1)
@@ -213,6 +226,28 @@ def test_warm_start_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         warm_start(device="tpu", cache_dir=tmp_path)
     with pytest.raises(ValueError, match="size must be one of"):
         warm_start(size="7b", cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="max_length must be >= 2 or None, got 1"):
+        warm_start(max_length=1, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="batch_tokens must be >= 1 or None, got 0"):
+        warm_start(batch_tokens=0, cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="max_time_s must be > 0 or None, got 0"):
+        warm_start(max_time_s=0, cache_dir=tmp_path)
+    # the bounds enter the cache key only when set (caches made before them stay valid)
+    assert warm_start_dir(max_length=None, max_time_s=None) == warm_start_dir()
+    assert len({warm_start_dir(), warm_start_dir(max_length=256), warm_start_dir(max_time_s=60.0)}) == 3
+
+
+def test_warm_start_bounded_in_time_and_length(tmp_path: Path) -> None:
+    kwargs = dict(
+        steps=500, batch_size=4, max_length=40, batch_tokens=80, max_time_s=1e-3, cache_dir=tmp_path, progress=False
+    )
+    warm_start("countdown_search", "qwen2", "tiny", **kwargs)
+    directory = warm_start_dir("countdown_search", "qwen2", "tiny", **{k: v for k, v in kwargs.items() if k != "progress"})
+    meta = warm_start_metadata(directory)
+    assert meta["steps_done"] == 1 < meta["settings"]["steps"]  # the time bound ends training after one step
+    assert (meta["settings"]["max_length"], meta["settings"]["batch_tokens"], meta["settings"]["max_time_s"]) == (
+        40, 80, 1e-3,
+    )
 
 
 def test_warmstart_cli_trains_then_hits_the_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -23,8 +23,13 @@ from lightning_tlt.data.tasks.base import (
     split_of,
 )
 from lightning_tlt.data.tasks.countdown import CountdownTask, countdown_correctness, countdown_format
+from lightning_tlt.data.tasks.search import (
+    CountdownSearchTask,
+    countdown_search_correctness,
+    countdown_search_format,
+)
 
-TASKS: dict[str, Task] = {task.name: task for task in (ArithmeticTask(), CountdownTask())}
+TASKS: dict[str, Task] = {task.name: task for task in (ArithmeticTask(), CountdownTask(), CountdownSearchTask())}
 """The registered tasks by name."""
 
 
@@ -40,6 +45,7 @@ def get_task(name: str | Task) -> Task:
 __all__ = [
     "TASKS",
     "ArithmeticTask",
+    "CountdownSearchTask",
     "CountdownTask",
     "Problem",
     "Task",
@@ -48,6 +54,8 @@ __all__ = [
     "completion_text",
     "countdown_correctness",
     "countdown_format",
+    "countdown_search_correctness",
+    "countdown_search_format",
     "final_answer",
     "get_task",
     "sample_detours",
