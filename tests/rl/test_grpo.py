@@ -138,7 +138,7 @@ def test_micro_batches_give_the_whole_batch_update(tmp_path: Path, loss_type: st
     runs = {}
     for micro in (None, 3):
         module, data = make(seed=2, loss_type=loss_type, num_iterations=2, beta=0.04, micro_batch_size=micro)
-        module.harvest_features = True
+        module.request_policy_features(True)
         rec, grads = Record(), Grads()
         trainer(tmp_path / str(micro), 2, [rec, grads]).fit(module, datamodule=data)
         assert len(rec.batches) == 1 and len(grads.steps) == 2  # two optimizer steps on one rollout batch
@@ -152,7 +152,7 @@ def test_micro_batches_give_the_whole_batch_update(tmp_path: Path, loss_type: st
         torch.testing.assert_close(grads_micro.steps[0][name], value, atol=1e-7, rtol=1e-4, msg=name)
     for key in ("loss", "kl", "entropy", "clip_ratio/region_mean"):
         assert float(rows_micro[-1][key]) == pytest.approx(float(rows_whole[-1][key]), rel=1e-4, abs=1e-6), key
-    a, b = whole.last_policy_features, micro.last_policy_features
+    a, b = whole.take_policy_features(), micro.take_policy_features()
     assert a is not None and b is not None
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.completion_mask, b.completion_mask)
     real = a.attention_mask.bool()

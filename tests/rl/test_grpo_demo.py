@@ -40,7 +40,8 @@ def test_demo_learns_correctness_and_exports_its_drafter(
         "--trainer.enable_progress_bar=false",
     ]) == 0
     printed = capfd.readouterr()
-    out = caplog.text + printed.out + printed.err  # records, or the handler's stream outside pytest
+    # the records (as pytest captures them), or the handler's stream when they went there instead
+    out = caplog.text if "columns of the per-step lines below:" in caplog.text else printed.out + printed.err
     (path,) = tmp_path.glob("demo_cpu/version_*/metrics.csv")
     rows = [r for r in csv.DictReader(open(path)) if r.get(CORRECTNESS)]
     assert len(rows) == 40  # 80 optimizer steps, two per RL step
@@ -52,7 +53,7 @@ def test_demo_learns_correctness_and_exports_its_drafter(
 
     # the printed lines: one legend, then correctness beside the total reward on every RL step
     assert out.count("columns of the per-step lines below:") == 1
-    lines = re.findall(r"step \d+ \| reward .*", out)
+    lines = re.findall(r"step \d+/80 \| reward .*", out)
     assert len(lines) == 40 and all("(correctness " in line and ", format " in line for line in lines)
 
     # the drafter was co-trained, checkpointed, and exports as the README says
