@@ -13,7 +13,7 @@ prompts, on a long-tail GRPO workload:
 - ``nospec``: speculation off;
 - ``cold``: an untrained drafter, co-trained from the first RL step.
 
-The warm start runs inside the time budget: the policy by SFT (`lightning_tlt.models.warmstart`,
+The warm start runs inside the time budget: the policy by SFT (`lightning_tlt.rl.warmstart`,
 cached on disk), then the drafter offline on the policy's own rollouts
 (`lightning_tlt.drafters.offline.train_drafter`), saved with ``save_pretrained`` (the directory vLLM
 loads) and loaded by every arm. Arms share what is left of ``--time-budget-s`` (an arm that runs out
@@ -110,7 +110,7 @@ class Recorder(Callback):
 def build_policy(args: argparse.Namespace, device: str) -> torch.nn.Module:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if args.sft_steps > 0:
-        from lightning_tlt.models.warmstart import warm_start
+        from lightning_tlt.rl.warmstart import warm_start
 
         model, _ = warm_start(
             args.task, args.arch, args.size, difficulty=args.difficulty, steps=args.sft_steps, lr=args.sft_lr,

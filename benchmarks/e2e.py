@@ -34,10 +34,10 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig, StepEvent
 from lightning_tlt.data.datamodule import RolloutDataModule
-from lightning_tlt.data.tasks import get_task
-from lightning_tlt.models.warmstart import warm_start, warm_start_dir
 from lightning_tlt.rl.config import GRPOConfig
 from lightning_tlt.rl.grpo import GRPOModule
+from lightning_tlt.rl.warmstart import warm_start, warm_start_dir
+from lightning_tlt.tasks import get_task
 
 ROOT = Path(__file__).resolve().parent.parent
 

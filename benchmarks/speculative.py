@@ -35,11 +35,11 @@ from _common import graph_replay_ms
 
 from lightning_tlt.callbacks.drafter_cotrain import DrafterCoTrainCallback, DrafterCoTrainConfig
 from lightning_tlt.core.types import RolloutOutput, SamplingConfig, SpeculativeConfig, StepEvent
-from lightning_tlt.data.tasks import get_task
 from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.models.tokenizer import encode_prompt
-from lightning_tlt.models.warmstart import warm_start
+from lightning_tlt.rl.warmstart import warm_start
 from lightning_tlt.rollout.engine import RolloutEngine
+from lightning_tlt.tasks import get_task
 
 ROOT = Path(__file__).resolve().parent.parent
 BINS = ((1, 1), (2, 4), (5, 8), (9, 16), (17, 32), (33, 1 << 30))

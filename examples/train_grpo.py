@@ -18,10 +18,10 @@ from lightning_tlt.callbacks.rollout_metrics import RolloutMetricsCallback
 from lightning_tlt.callbacks.rollout_progress import RolloutProgressCallback
 from lightning_tlt.core.types import SpeculativeConfig
 from lightning_tlt.data.datamodule import RolloutDataModule
-from lightning_tlt.data.tasks import get_task
-from lightning_tlt.models.warmstart import warm_start
 from lightning_tlt.rl.config import GRPOConfig
 from lightning_tlt.rl.grpo import GRPOModule
+from lightning_tlt.rl.warmstart import warm_start
+from lightning_tlt.tasks import get_task
 
 
 def brevity(completions: list[str], **kwargs: object) -> list[float]:

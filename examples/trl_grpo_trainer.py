@@ -19,10 +19,10 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from lightning_tlt.core.types import SpeculativeConfig
-    from lightning_tlt.data.tasks import get_task
     from lightning_tlt.integrations.trl import rollout_func
-    from lightning_tlt.models.warmstart import warm_start
+    from lightning_tlt.rl.warmstart import warm_start
     from lightning_tlt.rollout.engine import RolloutEngine
+    from lightning_tlt.tasks import get_task
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=4)

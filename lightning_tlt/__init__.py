@@ -43,11 +43,11 @@ _EXPORTS: dict[str, str] = {
     "count_parameters": "lightning_tlt.models.zoo",
     "save_model": "lightning_tlt.models.zoo",
     "load_model": "lightning_tlt.models.zoo",
-    "warm_start": "lightning_tlt.models.warmstart",
-    "evaluate_accuracy": "lightning_tlt.models.warmstart",
+    "warm_start": "lightning_tlt.rl.warmstart",
+    "evaluate_accuracy": "lightning_tlt.rl.warmstart",
     # tasks
-    "TASKS": "lightning_tlt.data.tasks",
-    "get_task": "lightning_tlt.data.tasks",
+    "TASKS": "lightning_tlt.tasks",
+    "get_task": "lightning_tlt.tasks",
     # data
     "RolloutBatch": "lightning_tlt.rl.batch",
     "RolloutSettings": "lightning_tlt.rl.batch",

@@ -66,7 +66,7 @@ def _validate(argv: list[str]) -> int:
 
 @subcommand("warmstart", "SFT warm start of a zoo policy on a task, cached on disk")
 def _warmstart(argv: list[str]) -> int:
-    from lightning_tlt.models.warmstart import main
+    from lightning_tlt.rl.warmstart import main
 
     return main(argv)
 

@@ -72,7 +72,7 @@ def warm_arithmetic_policy(
 
     It writes the ``#### <answer>`` format but is rarely right; treat it as read-only.
     """
-    from lightning_tlt.models.warmstart import warm_start
+    from lightning_tlt.rl.warmstart import warm_start
 
     cache = tmp_path_factory.mktemp("warmstart-cache")
     return warm_start(

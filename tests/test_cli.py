@@ -161,7 +161,7 @@ def test_bad_names_and_sizes_are_refused_before_the_warm_start(
     def no_warm_start(*args: object, **kwargs: object) -> None:
         raise AssertionError("the warm start ran before the config was checked")
 
-    monkeypatch.setattr("lightning_tlt.models.warmstart.warm_start", no_warm_start)
+    monkeypatch.setattr("lightning_tlt.rl.warmstart.warm_start", no_warm_start)
     path = tiny_config(tmp_path)
     config = yaml.safe_load(path.read_text())
     config["model"]["init_args"]["policy"]["warm_start"] = "arithmetic"

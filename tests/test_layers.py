@@ -1,7 +1,7 @@
 """The package's layers import one way: a test that parses every import and fails on a cycle or an upward import.
 
-Layers, bottom to top (``docs/architecture.md``): ``core`` < ``models`` < ``drafters`` < ``rollout``
-< ``rl`` < ``data`` < ``callbacks`` < ``integrations`` < the top-level modules (``cli``,
+Layers, bottom to top (``docs/architecture.md``): ``core`` < ``models`` < ``tasks`` < ``drafters`` <
+``rollout`` < ``rl`` < ``data`` < ``callbacks`` < ``integrations`` < the top-level modules (``cli``,
 ``trainer_cli``, ``__init__``). A module may import its own layer and those below it, never one
 above; and no two modules import each other, directly or in a circle (lazy imports inside
 functions count too). Deprecated aliases of moved modules (marked ``DeprecationWarning``) are
@@ -14,7 +14,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_tlt"
-LAYERS = ("core", "models", "drafters", "rollout", "rl", "data", "callbacks", "integrations")
+LAYERS = ("core", "models", "tasks", "drafters", "rollout", "rl", "data", "callbacks", "integrations")
 TOP = len(LAYERS)  # cli.py, trainer_cli.py, __init__.py
 
 

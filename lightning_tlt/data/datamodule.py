@@ -79,7 +79,7 @@ class RolloutDataModule(pl.LightningDataModule):
     Args:
         dataset: a ``datasets.Dataset`` (or list of dicts) with a ``prompt`` column in TRL's format
             (a string, or a list of ``{"role", "content"}`` messages), or the name of a zoo task
-            (``lightning_tlt.data.tasks``), whose dataset is built with ``task_size``/``difficulty``.
+            (``lightning_tlt.tasks``), whose dataset is built with ``task_size``/``difficulty``.
         reward_funcs: TRL-signature reward functions (sync or async); ``None`` takes the zoo task's.
         eval_dataset: prompts for ``validate``; ``None`` with a task name takes the task's test split.
         tokenizer: an HF tokenizer or a directory to load one from; ``None`` builds the kit's.
@@ -257,7 +257,7 @@ class RolloutDataModule(pl.LightningDataModule):
 
         task = None
         if isinstance(arg, str):
-            from lightning_tlt.data.tasks import get_task
+            from lightning_tlt.tasks import get_task
 
             task = get_task(arg)
             data = task.make_dataset(
@@ -486,7 +486,7 @@ def check_task_names(dataset: Any, eval_dataset: Any = None, difficulty: int = 1
     """
     for arg in (dataset, eval_dataset):
         if isinstance(arg, str):
-            from lightning_tlt.data.tasks import get_task
+            from lightning_tlt.tasks import get_task
 
             get_task(arg).check_difficulty(difficulty)
 

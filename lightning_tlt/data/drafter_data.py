@@ -5,7 +5,7 @@ Two sources (`lightning_tlt.drafters.offline.train_drafter` trains on either):
 - ``"rollouts"``: completions the policy samples itself with the kit's engine, the distribution a
   drafter must imitate during RL (`rollout_sequences`);
 - ``"sft"``: the task's worked solutions, the data a zoo policy was warm-started on
-  (`lightning_tlt.models.warmstart`), teacher-forced through the policy (`sft_sequences`; no
+  (`lightning_tlt.rl.warmstart`), teacher-forced through the policy (`sft_sequences`; no
   generation, so it is cheap).
 
 Command line (writes the ``save_pretrained`` directory vLLM loads, and prints the held-out
@@ -26,11 +26,11 @@ import torch
 from torch import nn
 
 from lightning_tlt.core.types import RolloutBackend, SamplingConfig
-from lightning_tlt.data.tasks import get_task
 from lightning_tlt.drafters.offline import train_drafter
 from lightning_tlt.drafters.trainer import DrafterTrainConfig
 from lightning_tlt.models.tokenizer import build_tokenizer, encode_prompt
 from lightning_tlt.rl.sft import IGNORE_INDEX, SFTCollator
+from lightning_tlt.tasks import get_task
 
 
 def sft_sequences(
@@ -74,7 +74,7 @@ def _policy(args: argparse.Namespace) -> nn.Module:
 
         return AutoModelForCausalLM.from_pretrained(args.policy_path)
     if args.warm_start:
-        from lightning_tlt.models.warmstart import warm_start
+        from lightning_tlt.rl.warmstart import warm_start
 
         return warm_start(args.task, args.arch, args.size, difficulty=args.difficulty, seed=args.seed,
                           steps=args.sft_steps, device=args.device, progress=False)[0]  # fmt: skip

@@ -1,7 +1,7 @@
 """The zoo: Qwen2-, Llama- and Qwen3-architecture causal LMs built offline at named sizes.
 
 No checkpoint can be downloaded here, so policies start from a seeded random init (then a warm
-start, `lightning_tlt.models.warmstart`). The models are plain HF ``transformers`` models, saved
+start, `lightning_tlt.rl.warmstart`). The models are plain HF ``transformers`` models, saved
 and loaded as HF directories, so vLLM, TRL and the kit's own runner read them as they would a hub
 model. Sizes run from ``tiny`` (CPU tests; head_dim 64 because vLLM's CPU attention needs it) to
 ``400m`` (the body of Qwen2-0.5B, for GPU benchmarks).

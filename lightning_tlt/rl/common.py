@@ -43,7 +43,7 @@ class PolicySpec:
     seed: int = 0
     """Seed of the zoo model's init."""
     warm_start: str | None = None
-    """Zoo task to SFT-warm-start on first (``lightning_tlt.models.warmstart.warm_start``, cached)."""
+    """Zoo task to SFT-warm-start on first (``lightning_tlt.rl.warmstart.warm_start``, cached)."""
     warm_start_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra arguments of ``warm_start`` (steps, difficulty, cache_dir, ...)."""
     path: str | None = None
@@ -84,7 +84,7 @@ class PolicySpec:
 
             return AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype)
         if self.warm_start is not None:
-            from lightning_tlt.models.warmstart import warm_start
+            from lightning_tlt.rl.warmstart import warm_start
 
             model: Any = warm_start(self.warm_start, self.arch, self.size, seed=self.seed, **self.warm_start_kwargs)[0]
             return model.to(dtype)

@@ -12,8 +12,8 @@ import torch
 from lightning_tlt.core.types import SamplingConfig
 from lightning_tlt.data.datamodule import RolloutDataModule
 from lightning_tlt.data.rewards import RewardFunctionError
-from lightning_tlt.data.tasks import get_task
 from lightning_tlt.models.zoo import build_model
+from lightning_tlt.tasks import get_task
 
 ROWS = [{"prompt": f"Q{i}: 1+{i}=\n", "answer": str(1 + i), "level": i % 3} for i in range(6)]
 

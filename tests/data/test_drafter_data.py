@@ -10,10 +10,10 @@ import torch
 
 from lightning_tlt.cli import main as cli_main
 from lightning_tlt.data.drafter_data import sft_sequences
-from lightning_tlt.data.tasks import get_task
 from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.models.tokenizer import encode_prompt
 from lightning_tlt.models.zoo import build_model
+from lightning_tlt.tasks import get_task
 
 
 def test_sft_sequences_are_prompt_then_worked_solution(tokenizer) -> None:  # noqa: ANN001

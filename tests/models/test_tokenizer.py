@@ -88,7 +88,7 @@ def test_save_and_load_round_trip(tokenizer: PreTrainedTokenizerFast, tmp_path: 
 
 
 def test_round_trip_on_every_task_text(tokenizer: PreTrainedTokenizerFast) -> None:
-    from lightning_tlt.data.tasks import TASKS
+    from lightning_tlt.tasks import TASKS
 
     texts = []
     for task in TASKS.values():

@@ -13,16 +13,7 @@ from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from lightning_tlt.data.tasks import get_task
 from lightning_tlt.models.tokenizer import encode_prompt
-from lightning_tlt.models.warmstart import (
-    default_cache_dir,
-    evaluate_accuracy,
-    generate_completions,
-    warm_start,
-    warm_start_dir,
-    warm_start_metadata,
-)
 from lightning_tlt.models.zoo import build_model
 from lightning_tlt.rl.sft import (
     IGNORE_INDEX,
@@ -33,6 +24,15 @@ from lightning_tlt.rl.sft import (
     lr_factor,
     sft_loss,
 )
+from lightning_tlt.rl.warmstart import (
+    default_cache_dir,
+    evaluate_accuracy,
+    generate_completions,
+    warm_start,
+    warm_start_dir,
+    warm_start_metadata,
+)
+from lightning_tlt.tasks import get_task
 
 
 def test_sft_loss_by_hand() -> None:
@@ -251,7 +251,7 @@ def test_warm_start_bounded_in_time_and_length(tmp_path: Path) -> None:
 
 
 def test_warmstart_cli_trains_then_hits_the_cache(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from lightning_tlt.models.warmstart import main
+    from lightning_tlt.rl.warmstart import main
 
     argv = [
         "--task",
@@ -291,7 +291,7 @@ def test_warm_arithmetic_policy_fixture_writes_the_format(
 def test_a_diverged_warm_start_is_refused_and_not_cached(tmp_path) -> None:
     """A warm start whose loss or weights turn non-finite raises (naming the lr) and caches nothing:
     on the H200 a 100m warm start at the tiny sizes' lr reached NaN and every later run used it."""
-    from lightning_tlt.models.warmstart import warm_start
+    from lightning_tlt.rl.warmstart import warm_start
 
     with pytest.raises(RuntimeError, match=r"warm start diverged: arithmetic qwen2/tiny at lr=1e\+30"):
         warm_start("arithmetic", "qwen2", "tiny", steps=6, batch_size=4, lr=1e30, cache_dir=tmp_path, progress=False)

@@ -20,7 +20,7 @@ import random
 import re
 from typing import Any
 
-from lightning_tlt.data.tasks.base import (
+from lightning_tlt.tasks.base import (
     Problem,
     RewardFunc,
     Task,

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerFast
 from trl.data_utils import is_conversational, maybe_apply_chat_template
 
-from lightning_tlt.data.tasks import (
+from lightning_tlt.tasks import (
     TASKS,
     ArithmeticTask,
     arithmetic_correctness,
@@ -25,8 +25,8 @@ from lightning_tlt.data.tasks import (
     sample_detours,
     split_of,
 )
-from lightning_tlt.data.tasks.arithmetic import reduction_steps
-from lightning_tlt.data.tasks.countdown import evaluate_expression
+from lightning_tlt.tasks.arithmetic import reduction_steps
+from lightning_tlt.tasks.countdown import evaluate_expression
 
 # ---------------------------------------------------------------- registry and datasets
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_tlt.data.tasks import TASKS, countdown_search_correctness, countdown_search_format
-from lightning_tlt.data.tasks.search import (
+from lightning_tlt.tasks import TASKS, countdown_search_correctness, countdown_search_format
+from lightning_tlt.tasks.search import (
     SEARCH_LEVELS,
     CountdownSearchTask,
     SearchLevel,

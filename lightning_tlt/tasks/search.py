@@ -43,7 +43,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lightning_tlt.data.tasks.base import Problem, RewardFunc, Task, column, completion_text, final_answer
+from lightning_tlt.tasks.base import Problem, RewardFunc, Task, column, completion_text, final_answer
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from lightning_tlt.data.tasks.base import (
+from lightning_tlt.tasks.base import (
     Problem,
     RewardFunc,
     Task,
