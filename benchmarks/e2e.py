@@ -1,27 +1,48 @@
-"""End to end, side by side: TLT vs speculation off vs TRL ``GRPOTrainer`` on a long-tail GRPO workload.
+"""End to end, side by side: TLT vs speculation off vs TRL ``GRPOTrainer`` on a long-tail reasoning workload.
 
-The paper's table in miniature (issue 6), measured in one process on one GPU:
+The paper's table in miniature (issue 15), measured in one process on one GPU, on the workload that
+looks like the paper's: ``countdown_search`` (Countdown with the depth-first search written out, a
+heavy tail of response lengths; difficulty 4: p50 about 500 tokens, p99 about 7,000, cut at 4,096)
+and the Qwen2.5-0.5B-shaped zoo policy (``0.5b``: 494 M parameters, a 151,936-row tied head):
 
-a. ``tlt``: lightning_tlt with speculation (suffix drafter while the EAGLE drafter is cold, then the
-   EAGLE drafter co-trained in the stalls by `DrafterCoTrainCallback`) and CUDA graph profiles;
-b. ``nospec``: the same engine and graphs with speculation off;
-c. ``trl``: TRL's ``GRPOTrainer`` with its default HF ``generate`` on the same policy, task and settings
-   (a few steps: its step time is what is compared).
+a. ``tlt``: the kit with speculation: the suffix drafter speculates first, the EAGLE drafter
+   (warm-started offline on the policy's own rollouts, then co-trained in the stalls by
+   `DrafterCoTrainCallback`) takes over once its held-out acceptance beats the suffix drafter's;
+b. ``nospec``: the same engine, settings and seed with speculation off;
+c. ``trl``: TRL's ``GRPOTrainer`` with its default HF ``generate``, same policy, task and settings
+   (`grpo_settings`), as many steps as its own time budget allows (measured, not extrapolated).
 
-All three start from the same warm-started (SFT) zoo policy, with the same seed and prompts. Per
-configuration: step time split into rollout / reward / train / drafter, rollout tokens/s, response
-lengths (p50, p90, p99, max), acceptance length over steps, share of rollout time in the tail,
-reward per step. Writes JSON under ``benchmarks/results/`` and PNG plots under ``docs/``.
+Stages (``--stage``, comma-separated, default ``all``): ``warmstart`` (SFT of the policy, bounded in
+time, then the drafter's warm start; both cached under ``.cache/``), ``ab`` (a and b, seed by seed;
+b first, a then runs b's number of steps), ``trl``, and the report, which every call writes from
+all that is cached. A second call on a still-warm machine reuses the cached warm starts and runs,
+and says what it recomputed. ``--budget-s`` bounds one call: a unit (a pair of a and b for one seed,
+or the TRL run) starts only when its estimated time fits in what is left.
 
-GPU: ``python benchmarks/e2e.py`` (defaults sized for one call of under 10 minutes on an H200).
-CPU smoke check: ``python benchmarks/e2e.py --smoke``.
+Reported per configuration: step time split into rollout (of it: the tail, at most ``--threshold``
+rows active), reward, train and drafter; response lengths (p50, p90, p99, max); acceptance over
+steps; correctness per step; the ratios ``a_over_b_step``, ``a_over_b_rollout``, ``a_over_b_tail``,
+``tlt_over_trl_step``; and the "no accuracy loss" judgement: the mean difference of the
+correctness curves of a and b over steps and seeds, with its standard error.
+
+GPU, two calls of under 10 minutes on an H200::
+
+    python benchmarks/e2e.py --stage warmstart,ab          # warm starts, then a and b of seed 0
+    python benchmarks/e2e.py                               # cached: TRL, then seed 1 if time is left
+
+CPU smoke check of the whole pipeline (tiny model, about two minutes; caches under .cache/e2e_smoke/, writes
+under benchmarks/results/smoke/):
+``python benchmarks/e2e.py --smoke``.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
+import hashlib
 import json
+import math
 import platform
 import statistics
 import time
@@ -34,17 +55,31 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig, StepEvent
 from lightning_tlt.data.datamodule import RolloutDataModule
+from lightning_tlt.models.tokenizer import encode_prompt
 from lightning_tlt.rl.config import GRPOConfig
 from lightning_tlt.rl.grpo import GRPOModule
-from lightning_tlt.rl.warmstart import warm_start, warm_start_dir
+from lightning_tlt.rl.warmstart import warm_start, warm_start_dir, warm_start_metadata
 from lightning_tlt.tasks import get_task
 
 ROOT = Path(__file__).resolve().parent.parent
+STAGES = ("warmstart", "ab", "trl")
+_T0 = time.perf_counter()
+
+
+def log(message: str) -> None:
+    """A progress line with the seconds since the script started."""
+    print(f"[e2e {time.perf_counter() - _T0:7.1f} s] {message}", flush=True)
 
 
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -54,13 +89,244 @@ def percentiles(values: list[float]) -> dict[str, float]:
     s = sorted(values)
 
     def rank(q: float) -> float:
-        return float(s[min(len(s) - 1, max(0, round(q * len(s)) - 1))])
+        return float(s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))])
 
     return {"p50": rank(0.5), "p90": rank(0.9), "p99": rank(0.99), "max": float(s[-1])}
 
 
+class Budget:
+    """The wall time one call may use; a unit of work starts only when its estimate fits."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - _T0)
+
+    def allows(self, estimate_s: float, what: str) -> bool:
+        ok = estimate_s <= self.left()
+        log(
+            f"{what}: estimated {estimate_s:.0f} s, {self.left():.0f} s left of {self.seconds:.0f} s: "
+            f"{'run' if ok else 'skipped (next call)'}"
+        )
+        return ok
+
+
+# ---------------------------------------------------------------------------------------------- settings
+
+
+def grpo_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The GRPO options every configuration shares, by TRL's names (one source for a, b and c)."""
+    return {
+        "num_generations": args.generations,
+        "max_completion_length": args.max_new,
+        "temperature": 1.0,
+        "learning_rate": args.lr,
+        "lr_scheduler_type": "constant",
+        "loss_type": "dapo",
+        "beta": 0.0,
+        "num_iterations": 1,
+    }
+
+
+def warm_start_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        difficulty=args.difficulty,
+        seed=0,
+        steps=args.sft_steps,
+        batch_size=args.sft_batch,
+        lr=args.sft_lr,
+        max_length=args.sft_max_length,
+        batch_tokens=args.sft_batch_tokens,
+        max_time_s=args.sft_max_time_s,
+        cache_dir=args.cache_dir,
+    )
+
+
+def workload_key(args: argparse.Namespace) -> str:
+    """Names the cached drafter and runs: every setting that changes what they hold."""
+    keys = (
+        "task",
+        "difficulty",
+        "arch",
+        "size",
+        "sft_steps",
+        "sft_batch",
+        "sft_lr",
+        "sft_max_length",
+        "sft_batch_tokens",
+        "sft_max_time_s",
+        "drafter_prompts",
+        "drafter_samples",
+        "drafter_steps",
+        "drafter_time_s",
+        "drafter_lr",
+        "steps",
+        "prompts",
+        "generations",
+        "max_new",
+        "lr",
+        "micro_batch",
+        "threshold",
+        "cotrain_lr",
+        "trl_steps",
+        "trl_budget_s",
+        "smoke",
+    )
+    settings = {k: getattr(args, k) for k in keys}
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
+    return f"{args.task}-d{args.difficulty}-{args.size}-{digest}"
+
+
+def run_dir(args: argparse.Namespace) -> Path:
+    path = Path(args.cache_dir).parent / "e2e" / workload_key(args)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load_policy(policy_dir: Path, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(policy_dir, dtype=dtype).to(device)
+
+
+# ---------------------------------------------------------------------------------------------- warm starts
+
+
+def warm_policy(args: argparse.Namespace, device: str) -> tuple[Path, dict[str, Any]]:
+    """The SFT-warm-started policy (cached by `warm_start`); says whether it was recomputed."""
+    kwargs = warm_start_kwargs(args)
+    directory = warm_start_dir(args.task, args.arch, args.size, **kwargs)
+    cached = (directory / "warmstart.json").is_file()
+    log(f"policy warm start: {'cached' if cached else 'training'} ({directory.name})")
+    t0 = time.perf_counter()
+    model, _ = warm_start(args.task, args.arch, args.size, device=device, progress=False, **kwargs)
+    del model
+    _free()
+    meta = warm_start_metadata(directory)
+    info = {
+        "recomputed": not cached,
+        "seconds_this_call": time.perf_counter() - t0,
+        "dir": str(directory),
+        "train_seconds": meta["train_seconds"],
+        "steps_done": meta.get("steps_done", meta["settings"]["steps"]),
+        "first_loss": meta["first_loss"],
+        "final_loss": meta["final_loss"],
+        "parameters": meta["parameters"],
+    }
+    log(
+        f"policy warm start: {info['parameters']:,} parameters, {info['steps_done']} steps in "
+        f"{info['train_seconds']:.0f} s, loss {info['first_loss']:.2f} -> {info['final_loss']:.3f}"
+    )
+    return directory, info
+
+
+@torch.no_grad()
+def _features(
+    policy: torch.nn.Module, seqs: list[list[int]], prompt_lens: list[int], pad: int, device: str
+) -> dict[str, torch.Tensor]:
+    """Right-padded prompt + completion rows and the policy's final hidden states over them (no logits)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    attn, comp = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
+        ids[i, : len(s)], attn[i, : len(s)], comp[i, p : len(s)] = torch.tensor(s), 1, 1
+    ids, attn, comp = ids.to(device), attn.to(device), comp.to(device)
+    base: Any = policy.model  # type: ignore[attr-defined]
+    hidden = torch.cat(
+        [
+            base(input_ids=ids[i : i + 8], attention_mask=attn[i : i + 8]).last_hidden_state
+            for i in range(0, len(seqs), 8)
+        ]
+    )
+    return {"features": hidden, "input_ids": ids, "attention_mask": attn, "completion_mask": comp}
+
+
+def warm_drafter(
+    args: argparse.Namespace, policy_dir: Path, device: str, dtype: torch.dtype
+) -> tuple[Path, dict[str, Any]]:
+    """An EAGLE drafter trained offline on the warm policy's own rollouts (TLT's drafter warm-up), cached."""
+    from lightning_tlt.callbacks.drafter_cotrain import DrafterCoTrainCallback, DrafterCoTrainConfig
+    from lightning_tlt.rollout.engine import RolloutEngine
+
+    directory = run_dir(args) / "drafter"
+    info_path = directory / "warmup.json"
+    if info_path.is_file():
+        log(f"drafter warm start: cached ({directory})")
+        return directory, json.loads(info_path.read_text()) | {"recomputed": False}
+    t0 = time.perf_counter()
+    policy = load_policy(policy_dir, device, dtype).eval()
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(policy_dir)
+    data = get_task(args.task).make_dataset(args.drafter_prompts, difficulty=args.difficulty, seed=99)
+    prompts = [encode_prompt(tokenizer, p) for p in data["prompt"]]
+    engine = RolloutEngine(
+        policy,
+        max_batch_size=len(prompts) * args.drafter_samples,
+        max_seq_len=max(map(len, prompts)) + args.max_new,
+    )
+    out = engine.generate(
+        prompts,
+        SamplingConfig(temperature=1.0, max_new_tokens=args.max_new),
+        num_samples=args.drafter_samples,
+        generator=torch.Generator(device=device).manual_seed(99),
+    )
+    gen_s = time.perf_counter() - t0
+    lengths = [len(c) for c in out.completion_ids]
+    log(
+        f"drafter warm start: {len(lengths)} rollouts of the warm policy in {gen_s:.0f} s, "
+        f"lengths {percentiles([float(n) for n in lengths])}"
+    )
+    del engine
+    cb = DrafterCoTrainCallback(
+        DrafterCoTrainConfig(
+            learning_rate=args.drafter_lr,
+            batch_size=16,
+            max_len=512,
+            buffer_capacity=len(lengths),
+            warmup_steps=20,
+            side_stream=False,
+        )
+    )
+    cb.setup_drafter(policy).to(device=device, dtype=torch.float32)
+    cb.setup_drafter(policy)  # the optimizer over the moved parameters
+    h = _features(
+        policy,
+        [p + c for p, c in zip(out.prompt_ids, out.completion_ids)],
+        [len(p) for p in out.prompt_ids],
+        tokenizer.pad_token_id or 0,
+        device,
+    )
+    cb.buffer.add(h["features"], h["input_ids"], h["attention_mask"], h["completion_mask"], step=0)
+    del h
+    _sync()
+    t1 = time.perf_counter()
+    steps = cb._train_steps(args.drafter_time_s, args.drafter_steps)  # the callback's own training step
+    _sync()
+    assert cb.drafter is not None
+    cb.drafter.save_pretrained(directory)
+    info = {
+        "recomputed": True,
+        "rollouts": len(lengths),
+        "rollout_lengths": percentiles([float(n) for n in lengths]),
+        "generate_s": gen_s,
+        "train_steps": steps,
+        "train_s": time.perf_counter() - t1,
+        "seconds": time.perf_counter() - t0,
+    }
+    info_path.write_text(json.dumps(info, indent=1, default=float))
+    log(f"drafter warm start: {steps} steps in {info['train_s']:.1f} s, saved to {directory}")
+    del cb, policy
+    _free()
+    return directory, info
+
+
+# ---------------------------------------------------------------------------------------------- a and b
+
+
 class StepRecorder(Callback):
-    """Per RL step: wall time, its split, lengths, reward and speculation figures.
+    """Per RL step: wall time, its split, lengths, correctness and speculation figures; prints a line.
 
     The rollout happens while the Trainer fetches the batch (before ``on_train_batch_start``), so a
     step's wall time runs from one ``on_train_batch_end`` to the next; the engine reports its own
@@ -69,17 +335,22 @@ class StepRecorder(Callback):
     ``tail_rows``) and the rest.
     """
 
-    def __init__(self, tail_rows: int) -> None:
-        self.tail_rows = tail_rows
-        self._train_end = 0.0
+    def __init__(self, name: str, tail_rows: int, correctness_key: str, time_limit_s: float) -> None:
+        self.name, self.tail_rows, self.correctness_key, self.time_limit_s = (
+            name,
+            tail_rows,
+            correctness_key,
+            time_limit_s,
+        )
         self.marker = _TrainEndMarker(self)
         """Put first in the Trainer's callbacks (this recorder last): it stamps the end of the
         training step, so the RL-step boundary work of other callbacks (drafter publishing) is timed apart."""
         self.steps: list[dict[str, Any]] = []
+        self._train_end = 0.0
         self._last_end: float | None = None
+        self._start = 0.0
         self._train_start = 0.0
-        self._tail_s = 0.0
-        self._bulk_s = 0.0
+        self._tail_s = self._bulk_s = 0.0
         self._engine_hooked = False
 
     def _on_event(self, event: StepEvent) -> None:
@@ -92,9 +363,11 @@ class StepRecorder(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _sync()
-        self._last_end = time.perf_counter()
+        self._start = self._last_end = time.perf_counter()
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if not self._engine_hooked:  # the engine exists once the first batch was generated
             trainer.datamodule.add_listener(self._on_event)  # type: ignore[attr-defined]
             self._engine_hooked = True
@@ -109,7 +382,8 @@ class StepRecorder(Callback):
         train_end = self._train_end or now
         m = dict(batch.metrics)
         lengths = batch.completion_mask.sum(1).tolist()
-        record = {
+        cotrain = [c for c in trainer.callbacks if type(c).__name__ == "DrafterCoTrainCallback"]  # type: ignore[attr-defined]
+        r: dict[str, Any] = {
             "step": len(self.steps),
             "wall_s": now - (self._last_end or now),
             "train_s": train_end - self._train_start,
@@ -119,22 +393,35 @@ class StepRecorder(Callback):
             "tail_s": self._tail_s,
             "bulk_s": self._bulk_s,
             "tokens": float(sum(lengths)),
-            "tokens_per_s": m.get("rollout/tokens_per_s", float("nan")),
             "reward": m.get("reward", float("nan")),
+            "correctness": m.get(self.correctness_key, float("nan")),
             "lengths": lengths,
             "accept_len": m.get("spec/accept_len", float("nan")),
             "spec_fraction": m.get("spec/fraction", float("nan")),
             "metrics": {k: v for k, v in m.items() if isinstance(v, (int, float))},
         }
-        cotrain = [c for c in trainer.callbacks if type(c).__name__ == "DrafterCoTrainCallback"]  # type: ignore[attr-defined]
         # drafter time: its training in the stalls (inside the rollout) plus its work at the boundary
         # (GPU time of the steps on the side stream, overlapping decode: CUDA events)
-        record["drafter_stall_s"] = float(cotrain[0].last_metrics.get("drafter/train_time_s", 0.0)) if cotrain else 0.0
-        record["drafter_s"] = record["drafter_stall_s"] + (record["boundary_s"] if cotrain else 0.0)
-        record["eagle_drafting"] = float(trainer.callback_metrics.get("drafter/eagle_drafting", float("nan")))
-        self.steps.append(record)
+        r["drafter_stall_s"] = (
+            float(cotrain[0].last_metrics.get("drafter/train_time_s", 0.0)) if cotrain else 0.0
+        )
+        r["drafter_s"] = r["drafter_stall_s"] + (r["boundary_s"] if cotrain else 0.0)
+        r["eagle_drafting"] = float(trainer.callback_metrics.get("drafter/eagle_drafting", float("nan")))
+        self.steps.append(r)
+        acc = f" accept {r['accept_len']:.2f}" if r["accept_len"] == r["accept_len"] else ""
+        lp = percentiles([float(n) for n in lengths])
+        log(
+            f"{self.name} step {r['step']}: {r['wall_s']:.2f} s (rollout {r['rollout_s']:.2f}, tail {r['tail_s']:.2f}, "
+            f"reward {r['reward_s']:.3f}, train {r['train_s']:.2f}, drafter {r['drafter_s']:.2f}) | len p50 "
+            f"{lp['p50']:.0f} max {lp['max']:.0f} | correct {r['correctness']:.3f} | spec "
+            f"{100 * r['spec_fraction']:.0f}%{acc}" + (" eagle" if r["eagle_drafting"] == 1.0 else "")
+        )
         self._tail_s = self._bulk_s = 0.0
         self._last_end = now
+        step_s = r["wall_s"]
+        if now - self._start + step_s > self.time_limit_s:  # the next step would not fit: stop here
+            log(f"{self.name}: time limit {self.time_limit_s:.0f} s reached after {len(self.steps)} steps")
+            trainer.should_stop = True
 
 
 class _TrainEndMarker(Callback):
@@ -146,54 +433,57 @@ class _TrainEndMarker(Callback):
         self.recorder._train_end = time.perf_counter()
 
 
-def load_policy(policy_dir: Path, device: str, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(policy_dir, dtype=dtype).to(device)
-
-
-def grpo_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The GRPO options every configuration shares, by TRL's names (one source for a, b and c)."""
-    return {
-        "num_generations": args.generations,
-        "max_completion_length": args.max_new,
-        "temperature": 1.0,
-        "learning_rate": args.lr,
-        "lr_scheduler_type": "constant",
-        "loss_type": "dapo",
-        "beta": 0.0,
-    }
-
-
-def run_lightning(name: str, args: argparse.Namespace, seed: int, policy_dir: Path) -> dict[str, Any]:
-    """One GRPO run of ``args.steps`` steps with the kit (configuration a or b)."""
+def run_lightning(
+    name: str,
+    args: argparse.Namespace,
+    seed: int,
+    policy_dir: Path,
+    drafter_dir: Path | None,
+    steps: int,
+    time_limit_s: float,
+) -> dict[str, Any]:
+    """One GRPO run with the kit: configuration a (``tlt``) or b (``nospec``)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    pl.seed_everything(seed, workers=False)
+    pl.seed_everything(seed, workers=False, verbose=False)
     policy = load_policy(policy_dir, device, dtype)
-    config = GRPOConfig(**grpo_settings(args))
-    module = GRPOModule(policy, config)
-    # TLT's cold start: the suffix drafter speculates until the co-trained EAGLE drafter beats it
+    module = GRPOModule(policy, GRPOConfig(**grpo_settings(args), micro_batch_size=args.micro_batch))
+    # TLT's cold start: the suffix drafter speculates until the EAGLE drafter beats it
     speculative = SpeculativeConfig(method="suffix", threshold=args.threshold) if name == "tlt" else None
     data = RolloutDataModule(
         args.task,
         prompts_per_step=args.prompts,
         difficulty=args.difficulty,
-        task_size=args.prompts * (args.steps + 2),
+        task_size=args.prompts * (steps + 2),
         speculative=speculative,
         seed=seed,
-        sampling=SamplingConfig(temperature=1.0, max_new_tokens=args.max_new),
         max_batch_size=args.prompts * args.generations,
     )
-    recorder = StepRecorder(tail_rows=args.threshold)
+    task = get_task(args.task)
+    correctness_key = f"rewards/{task.reward_funcs[0].__name__}/mean"
+    recorder = StepRecorder(name, args.threshold, correctness_key, time_limit_s)
     callbacks: list[Callback] = [recorder.marker]
-    if name == "tlt" and args.drafter == "eagle":
+    if name == "tlt":
         from lightning_tlt.callbacks.drafter_cotrain import DrafterCoTrainCallback
+        from lightning_tlt.drafters.eagle import EagleDrafter
 
-        callbacks.append(DrafterCoTrainCallback(stall_threshold=args.threshold, learning_rate=args.drafter_lr))
+        drafter = None
+        if drafter_dir is not None:
+            drafter = EagleDrafter.from_pretrained(drafter_dir, policy).to(device=device, dtype=torch.float32)
+        # time_budget_s above a first (warm-up) drafter step's cost: with the default 0.02 s the earned
+        # allowance never reaches it and the drafter stops training after one step
+        callbacks.append(
+            DrafterCoTrainCallback(
+                drafter=drafter,
+                stall_threshold=args.threshold,
+                time_budget_s=0.2,
+                learning_rate=args.cotrain_lr,
+                publish_every_n_steps=1,
+            )
+        )
     callbacks.append(recorder)
     trainer = pl.Trainer(
-        max_steps=args.steps,
+        max_steps=steps,
         accelerator="gpu" if device == "cuda" else "cpu",
         devices=1,
         logger=False,
@@ -202,45 +492,67 @@ def run_lightning(name: str, args: argparse.Namespace, seed: int, policy_dir: Pa
         enable_model_summary=False,
         callbacks=callbacks,
     )
+    log(f"{name} seed {seed}: up to {steps} steps, stops by {time_limit_s:.0f} s")
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=data)
     total = time.perf_counter() - t0
-    engine = data.engine
-    graphs = getattr(engine, "graph_stats", None)
-    return {
+    graphs = getattr(data.engine, "graph_stats", None)
+    run = {
         "name": name,
         "seed": seed,
         "total_s": total,
         "steps": recorder.steps,
         "graph_stats": dict(graphs) if isinstance(graphs, dict) else None,
     }
+    del trainer, module, data, policy
+    _free()
+    return run
 
 
-def run_trl(args: argparse.Namespace, seed: int, policy_dir: Path) -> dict[str, Any]:
-    """Configuration c: TRL's GRPOTrainer with its default HF generation, a few steps."""
-    from transformers import AutoTokenizer, TrainerCallback
+# ---------------------------------------------------------------------------------------------- TRL
+
+
+def run_trl(args: argparse.Namespace, seed: int, policy_dir: Path, budget_s: float) -> dict[str, Any]:
+    """Configuration c: TRL's GRPOTrainer with its default HF generation, steps while its budget lasts."""
+    import functools
+
+    from transformers import PreTrainedTokenizerFast, TrainerCallback
     from trl import GRPOConfig as TRLGRPOConfig
     from trl import GRPOTrainer
 
     task = get_task(args.task)
     cuda = torch.cuda.is_available()
+    rows = args.prompts * args.generations
+    micro = min(args.micro_batch or rows, rows)
     dataset = task.make_dataset(args.prompts * (args.trl_steps + 2), difficulty=args.difficulty, seed=seed)
-    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(policy_dir)
     times: list[float] = []
+    lengths: list[list[int]] = []
+    correctness, fmt = task.reward_funcs
+
+    @functools.wraps(correctness)
+    def recorded(
+        *a: Any, **k: Any
+    ) -> list[float]:  # the task's correctness, recording the lengths TRL sampled
+        lengths.append([len(c) for c in k.get("completion_ids") or []])
+        return correctness(*a, **k)
 
     class Timer(TrainerCallback):
         def on_step_begin(self, *a: Any, **k: Any) -> None:
             _sync()
             self.t = time.perf_counter()
 
-        def on_step_end(self, *a: Any, **k: Any) -> None:
+        def on_step_end(self, _args: Any, state: Any, control: Any, **k: Any) -> None:
             _sync()
             times.append(time.perf_counter() - self.t)
+            log(f"trl step {len(times) - 1}: {times[-1]:.2f} s")
+            if time.perf_counter() - start + times[-1] > budget_s:  # the next step would not fit
+                control.should_training_stop = True
 
-    out_dir = ROOT / ".cache" / "e2e_trl"
     cfg = TRLGRPOConfig(
-        output_dir=str(out_dir),
-        per_device_train_batch_size=args.prompts * args.generations,
+        output_dir=str(run_dir(args) / "trl_out"),
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=rows // micro,  # one optimizer step per generation batch, as a and b
         **grpo_settings(args),
         max_steps=args.trl_steps,
         logging_steps=1,
@@ -250,50 +562,137 @@ def run_trl(args: argparse.Namespace, seed: int, policy_dir: Path) -> dict[str, 
         bf16=cuda,
         use_cpu=not cuda,
         dataloader_num_workers=0,
+        disable_tqdm=True,
+        model_init_kwargs={"dtype": "bfloat16"} if cuda else None,  # the kit's arms train bf16 weights too
     )
     trainer = GRPOTrainer(
         model=str(policy_dir),
-        reward_funcs=list(task.reward_funcs),
+        reward_funcs=[recorded, fmt],
         args=cfg,
         train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[Timer()],
     )
+    log(
+        f"trl seed {seed}: up to {args.trl_steps} steps, {rows} completions each ({micro} per micro-batch), "
+        f"stops by {budget_s:.0f} s"
+    )
+    start = time.perf_counter()
     trainer.train()
     logged = [h for h in trainer.state.log_history if "reward" in h]
-    return {
+    key = f"rewards/{correctness.__name__}/mean"
+    run = {
         "name": "trl",
         "seed": seed,
         "step_s": times,
+        "total_s": time.perf_counter() - start,
         "reward": [h.get("reward") for h in logged],
+        "correctness": [h.get(key) for h in logged],
         "mean_length": [h.get("completions/mean_length") for h in logged],
+        "lengths": lengths,
     }
+    del trainer
+    _free()
+    return run
 
 
-def summarize(run: dict[str, Any], skip: int) -> dict[str, Any]:
-    """Means over the steps after the first ``skip`` (warm-up: compile, graph capture)."""
-    steps = run["steps"][skip:] or run["steps"]
+# ---------------------------------------------------------------------------------------------- report
+
+
+def summarize(runs: list[dict[str, Any]], skip: int) -> dict[str, Any]:
+    """Means over the steps after the first ``skip`` (compile, graph capture) of one configuration's runs."""
+    steps = [s for r in runs for s in (r["steps"][skip:] or r["steps"])]
     mean = lambda key: statistics.fmean(s[key] for s in steps)  # noqa: E731
-    lengths = [n for s in run["steps"] for n in s["lengths"]]
     rollout = mean("rollout_s")
     return {
+        "seeds": [r["seed"] for r in runs],
+        "steps": [len(r["steps"]) for r in runs],
         "step_s": mean("wall_s"),
         "rollout_s": rollout,
+        "tail_s": mean("tail_s"),
         "reward_s": mean("reward_s"),
         "train_s": mean("train_s"),
         "boundary_s": mean("boundary_s"),
         "drafter_s": mean("drafter_s"),
-        "tokens_per_s": statistics.fmean(s["tokens"] for s in steps) / rollout if rollout > 0 else float("nan"),
+        "tokens_per_s": statistics.fmean(s["tokens"] for s in steps) / rollout
+        if rollout > 0
+        else float("nan"),
         "tail_share": mean("tail_s") / max(1e-9, mean("tail_s") + mean("bulk_s")),
-        "tail_s": mean("tail_s"),
-        "lengths": percentiles([float(n) for n in lengths]),
-        "reward_curve": [s["reward"] for s in run["steps"]],
-        "accept_len_curve": [s["accept_len"] for s in run["steps"]],
+        "lengths": percentiles([float(n) for r in runs for s in r["steps"] for n in s["lengths"]]),
+        "correctness_curve": [[s["correctness"] for s in r["steps"]] for r in runs],
+        "reward_curve": [[s["reward"] for s in r["steps"]] for r in runs],
+        "accept_len_curve": [[s["accept_len"] for s in r["steps"]] for r in runs],
+        "spec_fraction_curve": [[s["spec_fraction"] for s in r["steps"]] for r in runs],
+        "eagle_drafting_curve": [[s["eagle_drafting"] for s in r["steps"]] for r in runs],
     }
 
 
-def plot(results: dict[str, Any], out_dir: Path) -> list[str]:
-    """Reward curves a vs b, step-time bars, length histogram, acceptance over steps."""
+def summarize_trl(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """TRL's step time: the mean after its first step (warm-up), or the first alone when it is all there is."""
+    times = [t for r in runs for t in r["step_s"][1:]]
+    return {
+        "seeds": [r["seed"] for r in runs],
+        "steps": [len(r["step_s"]) for r in runs],
+        "step_s": statistics.fmean(times or [runs[0]["step_s"][0]]),
+        "first_step_s": runs[0]["step_s"][0],
+        "steps_timed": len(times),
+        "first_step_only": not times,
+        "lengths": percentiles([float(n) for r in runs for b in r["lengths"] for n in b]),
+        "correctness_curve": [r["correctness"] for r in runs],
+    }
+
+
+def no_accuracy_loss(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Correctness of a minus b, step by step on the same seed: mean and standard error over steps and seeds.
+
+    Speculation is lossless, so a and b sample from the same distributions; their curves differ by
+    sampling noise only (different random draws), and the judgement asks whether the mean difference
+    is within two standard errors of zero, or above it.
+    """
+    diffs: list[float] = []
+    per_seed = {}
+    for a in a_runs:
+        b = next((r for r in b_runs if r["seed"] == a["seed"]), None)
+        if b is None:
+            continue
+        d = [x["correctness"] - y["correctness"] for x, y in zip(a["steps"], b["steps"])]
+        per_seed[a["seed"]] = statistics.fmean(d) if d else float("nan")
+        diffs += d
+    if len(diffs) < 2:
+        return {"n": len(diffs), "judgement": "not enough paired steps"}
+    mean, se = statistics.fmean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
+    verdict = (
+        "no accuracy loss: within two standard errors of zero"
+        if abs(mean) <= 2 * se
+        else "no accuracy loss: TLT higher"
+        if mean > 0
+        else "accuracy LOSS: TLT lower by more than 2 SE"
+    )
+    return {
+        "n": len(diffs),
+        "mean_diff": mean,
+        "stderr": se,
+        "per_seed_mean_diff": per_seed,
+        "judgement": f"{verdict} (a - b = {mean:+.3f} ± {se:.3f} over {len(diffs)} steps x seeds)",
+    }
+
+
+def ratios(summary: dict[str, Any]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    if "tlt" in summary and "nospec" in summary:
+        a, b = summary["tlt"], summary["nospec"]
+        out["a_over_b_step"] = b["step_s"] / a["step_s"]
+        out["a_over_b_rollout"] = b["rollout_s"] / a["rollout_s"]
+        out["a_over_b_tail"] = b["tail_s"] / a["tail_s"] if a["tail_s"] > 0 else float("nan")
+    if "trl" in summary and "tlt" in summary:
+        out["tlt_over_trl_step"] = summary["trl"]["step_s"] / summary["tlt"]["step_s"]
+    if "trl" in summary and "nospec" in summary:
+        out["nospec_over_trl_step"] = summary["trl"]["step_s"] / summary["nospec"]["step_s"]
+    return out
+
+
+def plot(results: dict[str, Any], runs: list[dict[str, Any]], out_dir: Path) -> list[str]:
+    """Correctness curves a vs b, step-time split, length histogram, acceptance over steps (headless)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -301,37 +700,44 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[str]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    runs = results["runs"]
+    summary = results["summary"]
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out_dir / name, dpi=120)
+        written.append(str(out_dir / name))
+
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for run in runs:
-        if run["name"] in ("tlt", "nospec"):
-            ax.plot([s["reward"] for s in run["steps"]], label=f"{run['name']} (seed {run['seed']})")
+        style = "-" if run["name"] == "tlt" else "--"
+        ax.plot([s["correctness"] for s in run["steps"]], style, label=f"{run['name']} (seed {run['seed']})")
     ax.set_xlabel("RL step")
-    ax.set_ylabel("mean reward")
-    ax.set_title("Reward per step: TLT vs speculation off")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_dir / "e2e_reward.png", dpi=120)
-    written.append("e2e_reward.png")
+    ax.set_ylabel("correctness (mean over the step's completions)")
+    ax.set_title("Correctness per step: TLT vs speculation off")
+    ax.legend(fontsize=8)
+    save(fig, "e2e_correctness.png")
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 3.5), gridspec_kw={"width_ratios": [2, 1.4]})
-    names = [n for n in ("tlt", "nospec") if n in results["summary"]]
-    parts = ("rollout_s", "reward_s", "train_s", "boundary_s")
+    names = [n for n in ("tlt", "nospec") if n in summary]
     bottom = [0.0] * len(names)
-    for part in parts:
-        vals = [results["summary"][n].get(part, 0.0) for n in names]
-        ax.bar(names, vals, bottom=bottom, label=part.removesuffix("_s"))
+    for part, label in (
+        ("tail_s", "rollout: tail"),
+        ("rollout_s", "rollout: rest"),
+        ("reward_s", "reward"),
+        ("train_s", "train"),
+        ("drafter_s", "drafter"),
+    ):
+        vals = [summary[n][part] - (summary[n]["tail_s"] if part == "rollout_s" else 0.0) for n in names]
+        ax.bar(names, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set_ylabel("seconds per RL step")
     ax.set_title("Step time split (kit)")
-    ax.legend(fontsize=8)
-    totals = {n: results["summary"][n]["step_s"] for n in ("tlt", "nospec", "trl") if n in results["summary"]}
+    ax.legend(fontsize=7)
+    totals = {n: summary[n]["step_s"] for n in ("tlt", "nospec", "trl") if n in summary}
     bars = ax2.bar(list(totals), list(totals.values()), color=["C0", "C1", "C3"][: len(totals)])
-    ax2.bar_label(bars, fmt="%.2f s")
+    ax2.bar_label(bars, fmt="%.1f s")
     ax2.set_title("Whole RL step")
-    fig.tight_layout()
-    fig.savefig(out_dir / "e2e_step_time.png", dpi=120)
-    written.append("e2e_step_time.png")
+    save(fig, "e2e_step_time.png")
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     lengths = [n for run in runs if run["name"] == "nospec" for s in run["steps"] for n in s["lengths"]]
@@ -339,146 +745,261 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[str]:
     ax.set_yscale("log")
     ax.set_xlabel("completion length (tokens)")
     ax.set_ylabel("count")
-    ax.set_title("Response lengths (speculation off run)")
-    fig.tight_layout()
-    fig.savefig(out_dir / "e2e_lengths.png", dpi=120)
-    written.append("e2e_lengths.png")
+    ax.set_title("Response lengths (speculation off)")
+    save(fig, "e2e_lengths.png")
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for run in runs:
         if run["name"] == "tlt":
             ax.plot([s["accept_len"] for s in run["steps"]], marker="o", label=f"seed {run['seed']}")
     ax.set_xlabel("RL step")
-    ax.set_ylabel("mean tokens per verify step")
+    ax.set_ylabel("tokens per verify step")
     ax.set_title("Acceptance length over steps (TLT)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_dir / "e2e_acceptance.png", dpi=120)
-    written.append("e2e_acceptance.png")
+    ax.legend(fontsize=8)
+    save(fig, "e2e_acceptance.png")
     plt.close("all")
     return written
 
 
+def print_table(results: dict[str, Any]) -> None:
+    s = results["summary"]
+    print(
+        f"\n{'config':8} {'step s':>7} {'rollout':>8} {'tail':>6} {'reward':>7} {'train':>6} {'drafter':>7} "
+        f"{'tok/s':>8} {'p50':>5} {'p99':>5} {'max':>5} {'accept':>6} {'correct first->last':>20}"
+    )
+    for name in ("tlt", "nospec"):
+        if name in s:
+            r = s[name]
+            acc = [x for c in r["accept_len_curve"] for x in c if x == x]
+            curves = [c for c in r["correctness_curve"] if c]
+            k = max(1, min(len(c) for c in curves) // 4) if curves else 1
+            first = statistics.fmean(x for c in curves for x in c[:k]) if curves else float("nan")
+            last = statistics.fmean(x for c in curves for x in c[-k:]) if curves else float("nan")
+            print(
+                f"{name:8} {r['step_s']:7.2f} {r['rollout_s']:8.2f} {r['tail_s']:6.2f} {r['reward_s']:7.3f} "
+                f"{r['train_s']:6.2f} {r['drafter_s']:7.3f} {r['tokens_per_s']:8.0f} {r['lengths']['p50']:5.0f} "
+                f"{r['lengths']['p99']:5.0f} {r['lengths']['max']:5.0f} "
+                f"{(statistics.fmean(acc) if acc else float('nan')):6.2f} {first:9.3f} -> {last:.3f}"
+            )
+    if "trl" in s:
+        t = s["trl"]
+        timed = (
+            "only the first step (warm-up included)"
+            if t["first_step_only"]
+            else f"{t['steps_timed']} steps after it"
+        )
+        print(
+            f"{'trl':8} {t['step_s']:7.2f}   (first step {t['first_step_s']:.2f} s; mean of {timed}; "
+            f"lengths p50 {t['lengths']['p50']:.0f} p99 {t['lengths']['p99']:.0f} max {t['lengths']['max']:.0f})"
+        )
+    for k, v in results["ratios"].items():
+        print(f"  {k}: {v:.2f}x")
+    print(f"  {results['no_accuracy_loss']['judgement']}")
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", default="countdown")
-    p.add_argument("--difficulty", type=int, default=2)
+    p.add_argument(
+        "--stage", default="all", help="comma-separated: warmstart, ab, trl, or all (the report always)"
+    )
+    p.add_argument(
+        "--budget-s", type=float, default=560.0, help="wall time of this call (units that do not fit wait)"
+    )
+    p.add_argument("--task", default="countdown_search")
+    p.add_argument("--difficulty", type=int, default=4)
     p.add_argument("--arch", default="qwen2")
-    p.add_argument("--size", default="100m")
-    p.add_argument("--sft-steps", type=int, default=400)
-    p.add_argument("--sft-batch", type=int, default=64)
+    p.add_argument("--size", default="0.5b")
+    p.add_argument("--sft-steps", type=int, default=600)
+    p.add_argument("--sft-batch", type=int, default=32, help="sequences per SFT step (fewer when long)")
+    p.add_argument("--sft-batch-tokens", type=int, default=16384, help="most padded tokens per SFT batch")
     p.add_argument("--sft-lr", type=float, default=5e-4)
-    p.add_argument("--steps", type=int, default=10, help="GRPO steps of configurations a and b")
+    p.add_argument("--sft-max-length", type=int, default=4160, help="SFT sequences are cut here")
+    p.add_argument("--sft-max-time-s", type=float, default=180.0, help="the policy warm start stops by then")
+    p.add_argument(
+        "--drafter-prompts", type=int, default=32, help="prompts of the drafter's warm-up rollouts"
+    )
+    p.add_argument("--drafter-samples", type=int, default=2)
+    p.add_argument("--drafter-steps", type=int, default=600)
+    p.add_argument("--drafter-time-s", type=float, default=30.0)
+    p.add_argument("--drafter-lr", type=float, default=1e-3, help="offline warm-up learning rate")
+    p.add_argument("--cotrain-lr", type=float, default=1e-4, help="co-training learning rate in the stalls")
+    p.add_argument("--steps", type=int, default=20, help="RL steps of configurations a and b")
     p.add_argument("--skip", type=int, default=2, help="first steps left out of the means (compile, capture)")
     p.add_argument("--trl-steps", type=int, default=3)
-    p.add_argument("--prompts", type=int, default=16, help="prompts per RL step")
+    p.add_argument(
+        "--trl-budget-s", type=float, default=240.0, help="TRL runs steps while the next one fits in it"
+    )
+    p.add_argument("--prompts", type=int, default=8, help="prompts per RL step")
     p.add_argument("--generations", type=int, default=8)
-    p.add_argument("--max-new", type=int, default=1024)
+    p.add_argument("--max-new", type=int, default=4096)
     p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--threshold", type=int, default=32, help="speculation gate / stall threshold (active rows)")
-    p.add_argument("--drafter", choices=("eagle", "suffix"), default="eagle",
-                   help="eagle: suffix first, then the co-trained EAGLE drafter; suffix: suffix only")
-    p.add_argument("--drafter-lr", type=float, default=1e-3)
+    p.add_argument(
+        "--micro-batch", type=int, default=4, help="rows per training forward (GRPOConfig.micro_batch_size)"
+    )
+    p.add_argument(
+        "--threshold", type=int, default=32, help="speculation gate / stall threshold (active rows)"
+    )
     p.add_argument("--seeds", default="0,1")
-    p.add_argument("--configs", default="tlt,nospec,trl")
+    p.add_argument(
+        "--est-pair-s", type=float, default=300.0, help="first guess of a+b for one seed (then measured)"
+    )
     p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "lightning_tlt"))
     p.add_argument("--out", default=None)
     p.add_argument("--plots", default=str(ROOT / "docs" / "img"))
-    p.add_argument("--smoke", action="store_true", help="tiny sizes: a CPU check of the script in a minute or two")
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny sizes on the CPU: the whole pipeline in about two minutes"
+    )
     args = p.parse_args(argv)
     if args.smoke:
-        args.size, args.sft_steps, args.sft_batch, args.steps, args.skip = "tiny", 30, 16, 2, 0
-        args.trl_steps, args.prompts, args.generations, args.max_new, args.seeds = 1, 2, 4, 48, "0"
-        args.difficulty, args.task, args.threshold, args.plots = 1, "arithmetic", 4, None
+        smoke = ROOT / ".cache" / "e2e_smoke"
+        args.size, args.difficulty, args.sft_steps, args.sft_batch, args.sft_max_time_s = (
+            "tiny",
+            1,
+            400,
+            32,
+            60.0,
+        )
+        args.sft_max_length, args.sft_batch_tokens, args.drafter_prompts, args.drafter_steps = (
+            None,
+            None,
+            4,
+            30,
+        )
+        args.steps, args.skip, args.trl_steps, args.trl_budget_s, args.prompts = 6, 1, 2, 30.0, 8
+        args.generations, args.max_new, args.threshold, args.micro_batch, args.seeds = 4, 96, 4, 8, "0"
+        args.lr, args.budget_s, args.est_pair_s = 1e-4, 150.0, 30.0
+        results = (
+            ROOT / "benchmarks" / "results" / "smoke"
+        )  # git-ignored, like every benchmark's smoke output
+        args.cache_dir, args.plots = str(smoke / "lightning_tlt"), str(results / "img")
+        args.out = args.out or str(results / "e2e_smoke.json")
+    stages = {s.strip() for s in args.stage.split(",") if s.strip()}
+    if stages - {*STAGES, "all", "report"}:
+        raise ValueError(f"--stage takes {', '.join(STAGES)}, report or all, got {args.stage!r}")
+    args.stages = set(STAGES) if "all" in stages else stages
     return args
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    budget = Budget(args.budget_s)
     seeds = [int(s) for s in args.seeds.split(",")]
-    configs = args.configs.split(",")
-    ws = dict(difficulty=args.difficulty, seed=0, steps=args.sft_steps, batch_size=args.sft_batch, lr=args.sft_lr,
-              cache_dir=args.cache_dir)
-    t0 = time.perf_counter()
-    warm_start(args.task, args.arch, args.size, device=device, progress=False, **ws)
-    sft_s = time.perf_counter() - t0
-    policy_dir = warm_start_dir(args.task, args.arch, args.size, **ws)
-    runs = []
-    for seed in seeds:
-        for name in ("tlt", "nospec"):
-            if name in configs:
-                runs.append(run_lightning(name, args, seed, policy_dir))
-                print(f"[e2e] {name} seed {seed}: {runs[-1]['total_s']:.1f} s", flush=True)
-    summary = {}
+    parts = run_dir(args)
+    log(
+        f"workload {workload_key(args)}: {args.task} d{args.difficulty}, {args.size}, {args.prompts} prompts x "
+        f"{args.generations}, max {args.max_new} new tokens; stages {sorted(args.stages)}; cache {parts}"
+    )
+    recomputed: list[str] = []
+
+    policy_dir = warm_start_dir(args.task, args.arch, args.size, **warm_start_kwargs(args))
+    warm: dict[str, Any] = {}
+    drafter_dir: Path | None = parts / "drafter"
+    if "warmstart" in args.stages or args.stages & {"ab", "trl"}:
+        policy_dir, warm["policy"] = warm_policy(args, device)
+        if warm["policy"]["recomputed"]:
+            recomputed.append("policy warm start")
+    if "warmstart" in args.stages or "ab" in args.stages:
+        drafter_dir, warm["drafter"] = warm_drafter(args, policy_dir, device, dtype)
+        if warm["drafter"]["recomputed"]:
+            recomputed.append("drafter warm start")
+
+    def estimate_pair() -> float:
+        done = [r for s in seeds for n in ("tlt", "nospec") if (r := _load(parts / f"{n}_seed{s}.json"))]
+        return sum(r["total_s"] for r in done[:2]) * 1.1 if len(done) >= 2 else args.est_pair_s
+
+    def run_pair(seed: int) -> None:
+        if all((parts / f"{n}_seed{seed}.json").is_file() for n in ("tlt", "nospec")):
+            log(f"a and b, seed {seed}: cached")
+            return
+        if not budget.allows(estimate_pair(), f"a and b, seed {seed}"):
+            return
+        # b first (the slower one), on a time limit that leaves a the same; a then runs b's steps
+        b = run_lightning("nospec", args, seed, policy_dir, None, args.steps, budget.left() * 0.55)
+        a = run_lightning("tlt", args, seed, policy_dir, drafter_dir, len(b["steps"]), budget.left() - 5)
+        for run in (a, b):
+            (parts / f"{run['name']}_seed{seed}.json").write_text(json.dumps(run, default=float))
+        recomputed.append(f"a and b, seed {seed}")
+
+    def run_trl_stage() -> None:
+        if (parts / "trl.json").is_file():
+            log("trl: cached")
+            return
+        if not budget.allows(args.trl_budget_s + 30, "trl"):
+            return
+        run = run_trl(args, seeds[0], policy_dir, min(args.trl_budget_s, budget.left() - 10))
+        (parts / "trl.json").write_text(json.dumps(run, default=float))
+        recomputed.append("trl")
+
+    if "ab" in args.stages:
+        run_pair(seeds[0])
+    if "trl" in args.stages:
+        run_trl_stage()
+    if "ab" in args.stages:
+        for seed in seeds[1:]:
+            run_pair(seed)
+
+    # ------------------------------------------------------------------ report from everything cached
+    runs = [r for s in seeds for n in ("tlt", "nospec") if (r := _load(parts / f"{n}_seed{s}.json"))]
+    trl_run = _load(parts / "trl.json")
+    summary: dict[str, Any] = {}
     for name in ("tlt", "nospec"):
-        mine = [summarize(r, args.skip) for r in runs if r["name"] == name]
+        mine = [r for r in runs if r["name"] == name]
         if mine:
-            summary[name] = {k: (statistics.fmean(m[k] for m in mine) if isinstance(mine[0][k], float) else mine[0][k])
-                             for k in mine[0]}
-    trl_runs = []
-    if "trl" in configs:
-        trl_runs.append(run_trl(args, seeds[0], policy_dir))
-        steps = trl_runs[0]["step_s"][1:] or trl_runs[0]["step_s"]
-        summary["trl"] = {"step_s": statistics.fmean(steps), "first_step_s": trl_runs[0]["step_s"][0]}
-    ratios = {}
-    if "tlt" in summary and "nospec" in summary:
-        a, b = summary["tlt"], summary["nospec"]
-        ratios["a_over_b_step"] = b["step_s"] / a["step_s"]
-        ratios["a_over_b_rollout"] = b["rollout_s"] / a["rollout_s"]
-        ratios["a_over_b_tail"] = b["tail_s"] / a["tail_s"] if a["tail_s"] > 0 else float("nan")
-    if "trl" in summary:
-        for name in ("tlt", "nospec"):
-            if name in summary:
-                ratios[f"{name}_over_trl_step"] = summary["trl"]["step_s"] / summary[name]["step_s"]
+            summary[name] = summarize(mine, args.skip)
+    if trl_run is not None:
+        summary["trl"] = summarize_trl([trl_run])
     results: dict[str, Any] = {
         "benchmark": "e2e",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "card": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-        "versions": {"torch": torch.__version__, "lightning": pl.__version__, "python": platform.python_version()},
-        "args": vars(args),
-        "sft_s": sft_s,
+        "card": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
+        "versions": {
+            "torch": torch.__version__,
+            "lightning": pl.__version__,
+            "python": platform.python_version(),
+        },
+        "args": {k: (sorted(v) if isinstance(v, set) else v) for k, v in vars(args).items()},
+        "workload": workload_key(args),
+        "warm_start": warm,
+        "recomputed_this_call": recomputed,
         "summary": summary,
-        "ratios": ratios,
+        "ratios": ratios(summary),
+        "no_accuracy_loss": no_accuracy_loss(
+            [r for r in runs if r["name"] == "tlt"], [r for r in runs if r["name"] == "nospec"]
+        ),
         "runs": runs,
-        "trl_runs": trl_runs,
+        "trl_runs": [trl_run] if trl_run else [],
     }
-    try:
-        import transformers
-
-        results["versions"]["transformers"] = transformers.__version__
-        import trl
-
-        results["versions"]["trl"] = trl.__version__
-    except ImportError:
-        pass
-    print_table(results)
-    if args.plots:
-        results["plots"] = plot(results, Path(args.plots))
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / ("smoke" if args.smoke else "") / (
-        f"e2e_{'smoke' if args.smoke else device}.json")  # smoke runs: a git-ignored folder
+    for module in ("transformers", "trl"):
+        try:
+            results["versions"][module] = __import__(module).__version__
+        except ImportError:
+            pass
+    log(f"recomputed this call: {', '.join(recomputed) or 'nothing (all cached)'}")
+    if summary:
+        print_table(results)
+    if args.plots and runs:
+        results["plots"] = plot(results, runs, Path(args.plots))
+    card = "h200" if "H200" in results["card"] else ("cuda" if cuda else "cpu")
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d")
+    name = "e2e_smoke.json" if args.smoke else f"e2e_{card}_{stamp}.json"
+    out = (
+        Path(args.out)
+        if args.out
+        else ROOT / "benchmarks" / "results" / ("smoke" if args.smoke else "") / name
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1, default=float))
-    print(f"[e2e] wrote {out}")
+    log(f"wrote {out}")
     return results
-
-
-def print_table(results: dict[str, Any]) -> None:
-    s = results["summary"]
-    print(f"\n{'config':8} {'step s':>8} {'rollout':>8} {'reward':>7} {'train':>7} {'drafter':>7} "
-          f"{'tok/s':>9} {'tail%':>6} {'p50':>5} {'p99':>5} {'max':>5} {'acc.len':>7}")
-    for name in ("tlt", "nospec"):
-        if name in s:
-            r = s[name]
-            acc = [x for x in r["accept_len_curve"] if x == x]
-            print(f"{name:8} {r['step_s']:8.2f} {r['rollout_s']:8.2f} {r['reward_s']:7.3f} {r['train_s']:7.2f} "
-                  f"{r['drafter_s']:7.3f} {r['tokens_per_s']:9.0f} {100 * r['tail_share']:6.1f} "
-                  f"{r['lengths']['p50']:5.0f} {r['lengths']['p99']:5.0f} {r['lengths']['max']:5.0f} "
-                  f"{(statistics.fmean(acc) if acc else float('nan')):7.2f}")
-    if "trl" in s:
-        print(f"{'trl':8} {s['trl']['step_s']:8.2f}   (first step {s['trl']['first_step_s']:.2f} s)")
-    for k, v in results["ratios"].items():
-        print(f"  {k}: {v:.2f}x")
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def test_every_shipped_config_parses(config: Path, capsys: pytest.CaptureFixture
     assert exit_info.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["model"]["class_path"].startswith("lightning_tlt.rl.")
-    assert printed["data"]["dataset"] in ("arithmetic", "countdown")
+    assert printed["data"]["dataset"] in ("arithmetic", "countdown", "countdown_search")
 
 
 def test_bad_yaml_configuration_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -145,10 +145,10 @@ def test_gpu_config_without_a_gpu_is_one_line(capsys: pytest.CaptureFixture[str]
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        (["--data.dataset", "arithmetik"], "data: unknown task 'arithmetik'; registered tasks: ['arithmetic', 'countdown']"),
+        (["--data.dataset", "arithmetik"], "data: unknown task 'arithmetik'; registered tasks: ['arithmetic', 'countdown', 'countdown_search']"),
         (["--data.difficulty", "9"], "data: arithmetic: difficulty must be an int in [1, 5], got 9"),
         (["--model.init_args.policy.size", "huge"],
-         "model.init_args.policy: size must be one of ['tiny', 'small', '100m', '400m'], got 'huge'"),
+         "model.init_args.policy: size must be one of ['tiny', 'small', '100m', '400m', '0.5b'], got 'huge'"),
         (["--model.init_args.config.max_completion_length", "5000"],
          "model.init_args.config: max_completion_length=5000 leaves no room for a prompt in the policy's 4096 "
          "positions (config.max_position_embeddings); max_completion_length must be < 4096"),

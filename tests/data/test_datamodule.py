@@ -290,7 +290,7 @@ def test_a_context_longer_than_the_policys_positions_is_refused(policy: torch.nn
 
 
 def test_unknown_task_names_are_refused_at_construction() -> None:
-    with pytest.raises(ValueError, match=r"unknown task 'arithmetik'; registered tasks: \['arithmetic', 'countdown'\]"):
+    with pytest.raises(ValueError, match=r"unknown task 'arithmetik'; registered tasks: \['arithmetic', 'countdown', 'countdown_search'\]"):
         RolloutDataModule("arithmetik")
     top = get_task("countdown").max_difficulty
     with pytest.raises(ValueError, match=rf"countdown: difficulty must be an int in \[1, {top}\], got 0"):

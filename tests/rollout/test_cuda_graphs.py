@@ -34,7 +34,7 @@ class RecordingBackend:
         self.order: list[int] = []
         self.current_batch = 0
 
-    def capture(self, fn: Callable[[], None]) -> _Replayable:
+    def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> _Replayable:
         self.order.append(self.current_batch)
         if self.current_batch in self.fail_batches:
             raise RuntimeError("capture failed")

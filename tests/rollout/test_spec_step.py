@@ -153,7 +153,9 @@ def test_tuner_keeps_speculating_with_a_drafter_equal_to_the_policy() -> None:
 class CountingBackend:
     """Captures by keeping the function (an eager stand-in for a CUDA graph)."""
 
-    def capture(self, fn: Callable[[], None]) -> _Replayable:
+    def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> _Replayable:
+        if reset is not None:
+            reset()
         return _Replayable(fn, 1)
 
 
@@ -169,6 +171,7 @@ def test_twenty_drafter_swaps_keep_the_graph_cache_bounded() -> None:
         engine.generate([[5, 6], [7, 8, 9]], cfg, generator=torch.Generator().manual_seed(i))
         sizes.append(len(engine._graphs))
         assert all(p.extra[1] == engine._drafter_handle for p in engine._graphs._graphs if p.phase == "spec")
+    assert sizes[0] > 0 and any(p.phase == "spec" for p in engine._graphs._graphs)  # the swaps had graphs to free
     assert max(sizes) == sizes[0]  # a replaced drafter's graphs are freed, never accumulated
 
 
