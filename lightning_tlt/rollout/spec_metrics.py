@@ -41,10 +41,15 @@ class AcceptanceLength(Metric):
         self.add_state("emitted", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("rows", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
 
-    def update(self, num_accepted: Tensor) -> None:
-        """``num_accepted``: ``(B,)`` accepted drafts of each row that took part in one verify step."""
-        self.emitted += (num_accepted.double() + 1.0).sum()
-        self.rows += num_accepted.numel()
+    def update(self, num_accepted: Tensor | None = None, *, counts: tuple[Tensor, Tensor] | None = None) -> None:
+        """``num_accepted``: ``(B,)`` accepted drafts of each row that took part in one verify step; or
+        ``counts``: ``(rows, emitted)`` already summed on the device (the compiled step's counters)."""
+        if counts is not None:
+            self.rows += counts[0].to(self.rows)
+            self.emitted += counts[1].to(self.emitted)
+        if num_accepted is not None:
+            self.emitted += (num_accepted.double() + 1.0).sum()
+            self.rows += num_accepted.numel()
 
     def compute(self) -> Tensor:
         return self.emitted / self.rows
@@ -67,8 +72,18 @@ class AcceptanceRateByPosition(Metric):
         self.add_state("accepted", default=zeros.clone(), dist_reduce_fx="sum")
         self.add_state("reached", default=zeros.clone(), dist_reduce_fx="sum")
 
-    def update(self, num_accepted: Tensor, draft_lens: Tensor) -> None:
-        """``num_accepted``, ``draft_lens``: ``(B,)`` from one verify step (`VerifyResult`, `DraftProposal`)."""
+    def update(
+        self, num_accepted: Tensor | None = None, draft_lens: Tensor | None = None, *,
+        counts: tuple[Tensor, Tensor] | None = None,
+    ) -> None:
+        """``num_accepted``, ``draft_lens``: ``(B,)`` from one verify step (`VerifyResult`, `DraftProposal`);
+        or ``counts``: ``(reached, accepted)`` per draft position, already summed on the device."""
+        if counts is not None:
+            k = min(counts[0].numel(), self.max_draft_tokens)
+            self.reached[:k] += counts[0][:k].to(self.reached)
+            self.accepted[:k] += counts[1][:k].to(self.accepted)
+        if num_accepted is None or draft_lens is None:
+            return
         pos = torch.arange(self.max_draft_tokens, device=num_accepted.device).unsqueeze(0)  # (1, K)
         acc, lens = num_accepted.unsqueeze(1), draft_lens.unsqueeze(1)  # (B, 1)
         self.reached += ((acc >= pos) & (lens > pos)).double().sum(0)
@@ -154,11 +169,9 @@ class SpeculationMetrics:
     def add_counters(self, counters: Tensor) -> None:
         """Add the engine's speculation counters (`lightning_tlt.rollout.slot_state.SlotState.counters`,
         ``(3, K + 1)``: rows, accepted + 1, tokens; reached and accepted per draft position)."""
-        k = min(counters.shape[1] - 1, self.acceptance_by_position.max_draft_tokens)
-        self.acceptance_length.rows += counters[0, 0].to(self.acceptance_length.rows)
-        self.acceptance_length.emitted += counters[0, 1].to(self.acceptance_length.emitted)
-        self.acceptance_by_position.reached[:k] += counters[1, :k].to(self.acceptance_by_position.reached)
-        self.acceptance_by_position.accepted[:k] += counters[2, :k].to(self.acceptance_by_position.accepted)
+        k = counters.shape[1] - 1
+        self.acceptance_length.update(counts=(counters[0, 0], counters[0, 1]))
+        self.acceptance_by_position.update(counts=(counters[1, :k], counters[2, :k]))
 
     def update_verify(self, num_accepted: Tensor, draft_lens: Tensor) -> None:
         self.acceptance_length.update(num_accepted)
