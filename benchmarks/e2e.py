@@ -159,7 +159,6 @@ def workload_key(args: argparse.Namespace) -> str:
         "drafter_prompts",
         "drafter_samples",
         "drafter_steps",
-        "drafter_time_s",
         "drafter_lr",
         "steps",
         "prompts",
@@ -221,32 +220,12 @@ def warm_policy(args: argparse.Namespace, device: str) -> tuple[Path, dict[str, 
     return directory, info
 
 
-@torch.no_grad()
-def _features(
-    policy: torch.nn.Module, seqs: list[list[int]], prompt_lens: list[int], pad: int, device: str
-) -> dict[str, torch.Tensor]:
-    """Right-padded prompt + completion rows and the policy's final hidden states over them (no logits)."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    attn, comp = torch.zeros_like(ids), torch.zeros_like(ids)
-    for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
-        ids[i, : len(s)], attn[i, : len(s)], comp[i, p : len(s)] = torch.tensor(s), 1, 1
-    ids, attn, comp = ids.to(device), attn.to(device), comp.to(device)
-    base: Any = policy.model  # type: ignore[attr-defined]
-    hidden = torch.cat(
-        [
-            base(input_ids=ids[i : i + 8], attention_mask=attn[i : i + 8]).last_hidden_state
-            for i in range(0, len(seqs), 8)
-        ]
-    )
-    return {"features": hidden, "input_ids": ids, "attention_mask": attn, "completion_mask": comp}
-
-
 def warm_drafter(
     args: argparse.Namespace, policy_dir: Path, device: str, dtype: torch.dtype
 ) -> tuple[Path, dict[str, Any]]:
     """An EAGLE drafter trained offline on the warm policy's own rollouts (TLT's drafter warm-up), cached."""
-    from lightning_tlt.callbacks.drafter_cotrain import DrafterCoTrainCallback, DrafterCoTrainConfig
+    from lightning_tlt.drafters.offline import train_drafter
+    from lightning_tlt.drafters.trainer import DrafterTrainConfig
     from lightning_tlt.rollout.engine import RolloutEngine
 
     directory = run_dir(args) / "drafter"
@@ -279,33 +258,17 @@ def warm_drafter(
         f"lengths {percentiles([float(n) for n in lengths])}"
     )
     del engine
-    cb = DrafterCoTrainCallback(
-        DrafterCoTrainConfig(
-            learning_rate=args.drafter_lr,
-            batch_size=16,
-            max_len=512,
-            buffer_capacity=len(lengths),
-            warmup_steps=20,
-            side_stream=False,
-        )
-    )
-    cb.setup_drafter(policy).to(device=device, dtype=torch.float32)
-    cb.setup_drafter(policy)  # the optimizer over the moved parameters
-    h = _features(
-        policy,
-        [p + c for p, c in zip(out.prompt_ids, out.completion_ids)],
-        [len(p) for p in out.prompt_ids],
-        tokenizer.pad_token_id or 0,
-        device,
-    )
-    cb.buffer.add(h["features"], h["input_ids"], h["attention_mask"], h["completion_mask"], step=0)
-    del h
-    _sync()
     t1 = time.perf_counter()
-    steps = cb._train_steps(args.drafter_time_s, args.drafter_steps)  # the callback's own training step
+    result = train_drafter(  # the same captured step the co-training callback replays in the stalls
+        policy,
+        [list(p) + list(c) for p, c in zip(out.prompt_ids, out.completion_ids)],
+        [len(p) for p in out.prompt_ids],
+        steps=args.drafter_steps,
+        config=DrafterTrainConfig(batch_size=16, max_len=512, learning_rate=args.drafter_lr, warmup_steps=20),
+    )
     _sync()
-    assert cb.drafter is not None
-    cb.drafter.save_pretrained(directory)
+    steps = result.steps
+    result.drafter.inference_copy().save_pretrained(directory)  # in the policy's dtype, as the engine drafts
     info = {
         "recomputed": True,
         "rollouts": len(lengths),
@@ -313,11 +276,13 @@ def warm_drafter(
         "generate_s": gen_s,
         "train_steps": steps,
         "train_s": time.perf_counter() - t1,
+        "heldout_accept_rate_before": result.heldout_before,
+        "heldout_accept_rate_after": result.heldout_after,
         "seconds": time.perf_counter() - t0,
     }
     info_path.write_text(json.dumps(info, indent=1, default=float))
     log(f"drafter warm start: {steps} steps in {info['train_s']:.1f} s, saved to {directory}")
-    del cb, policy
+    del result, policy
     _free()
     return directory, info
 
@@ -470,13 +435,11 @@ def run_lightning(
         drafter = None
         if drafter_dir is not None:
             drafter = EagleDrafter.from_pretrained(drafter_dir, policy).to(device=device, dtype=torch.float32)
-        # time_budget_s above a first (warm-up) drafter step's cost: with the default 0.02 s the earned
-        # allowance never reaches it and the drafter stops training after one step
+        # stall steps paced by the measured decode slowdown (default cap 5 %), on a side stream on CUDA
         callbacks.append(
             DrafterCoTrainCallback(
                 drafter=drafter,
                 stall_threshold=args.threshold,
-                time_budget_s=0.2,
                 learning_rate=args.cotrain_lr,
                 publish_every_n_steps=1,
             )
@@ -823,7 +786,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--drafter-samples", type=int, default=2)
     p.add_argument("--drafter-steps", type=int, default=600)
-    p.add_argument("--drafter-time-s", type=float, default=30.0)
     p.add_argument("--drafter-lr", type=float, default=1e-3, help="offline warm-up learning rate")
     p.add_argument("--cotrain-lr", type=float, default=1e-4, help="co-training learning rate in the stalls")
     p.add_argument("--steps", type=int, default=20, help="RL steps of configurations a and b")
