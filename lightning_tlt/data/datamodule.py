@@ -372,8 +372,13 @@ class RolloutDataModule(pl.LightningDataModule):
         # under DDP every rank takes its own prompts_per_step prompts of each global step (whole groups
         # per rank, so group advantages need no gathering)
         rank, world = self._rank_world()
-        order = self._order(self._epoch)
         stride = self.prompts_per_step * world
+        assert self.train_data is not None
+        if self._index + stride > len(self.train_data):
+            # the last pass ended but its iterator was not resumed past its last batch (Lightning stops at
+            # len() without asking for one more): roll over here, or the next epoch would be an empty one
+            self._epoch, self._index = self._epoch + 1, 0
+        order = self._order(self._epoch)
         while self._index + stride <= len(order):
             start = self._index + rank * self.prompts_per_step
             batch = self.rollout(order[start : start + self.prompts_per_step])

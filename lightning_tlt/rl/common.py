@@ -373,10 +373,10 @@ class RLModule(pl.LightningModule):
 
     def _log_metrics(self, metrics: dict[str, float | Tensor], batch_size: int, prefix: str = "") -> None:
         shown = {"reward", "loss", "completions/mean_length", "spec/accept_len"}
-        if not prefix:
-            # the loggers' x-axis is the optimizer step (global_step, as max_steps and checkpoint names count),
-            # not Lightning's default count of training batches (Lightning reads a logged "step" as the step)
-            self.log("step", float(self.global_step), on_step=True, on_epoch=False, batch_size=batch_size)
+        # the loggers' x-axis is the optimizer step (global_step, as max_steps and checkpoint names count),
+        # not Lightning's default count of training batches (Lightning reads a logged "step" as the step);
+        # evaluation rows too (logged per epoch: the mean of a constant is that constant)
+        self.log("step", float(self.global_step), on_step=not prefix, on_epoch=bool(prefix), batch_size=batch_size)
         for name, value in metrics.items():
             value = float(value.item()) if isinstance(value, Tensor) else float(value)
             self.log(

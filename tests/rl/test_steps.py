@@ -20,11 +20,13 @@ from lightning_tlt.rl.ppo import PPOModule
 from lightning_tlt.rl.progress_bar import OptimizerStepRichProgressBar, OptimizerStepTQDMProgressBar
 
 
-def fit(tmp_path: Path, module: pl.LightningModule, max_steps: int, callbacks: list[Callback]) -> pl.Trainer:
-    data = RolloutDataModule("arithmetic", prompts_per_step=2, task_size=16, seed=0)
+def fit(
+    tmp_path: Path, module: pl.LightningModule, max_steps: int, callbacks: list[Callback], validate: bool = False
+) -> pl.Trainer:
+    data = RolloutDataModule("arithmetic", prompts_per_step=2, task_size=16, eval_size=2, seed=0)
     trainer = pl.Trainer(
         max_steps=max_steps, accelerator="cpu", logger=CSVLogger(tmp_path, name="csv"), log_every_n_steps=1,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=1.0 if validate else 0, callbacks=callbacks,
         default_root_dir=tmp_path,
     )
     trainer.fit(module, datamodule=data)
@@ -57,6 +59,26 @@ def test_grpo_stops_at_max_steps_and_every_view_counts_optimizer_steps(
     # the learning rate each batch's last update used (linear schedule over 3 steps: 2/3, then 1/3), not the next
     lrs = [float(r["learning_rate"]) for r in rows]
     assert lrs == pytest.approx([3e-3 * 2 / 3, 3e-3 * 1 / 3])
+
+
+def test_every_epoch_is_one_pass_over_the_prompts(tmp_path: Path) -> None:
+    # 16 prompts, 2 a step: 8 rollout batches a pass, 2 optimizer steps each; 40 steps = 2.5 passes
+    config = GRPOConfig(num_generations=2, max_completion_length=4, num_iterations=2)
+    module = GRPOModule(build_model("qwen2", "tiny", seed=0), config)
+    epochs: list[tuple[int, int]] = []
+
+    class Epochs(Callback):
+        def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            epochs.append((trainer.current_epoch, trainer.global_step))
+
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt")
+    trainer = fit(tmp_path, module, 40, [Epochs(), checkpoints], validate=True)
+    assert epochs == [(0, 16), (1, 32), (2, 40)]  # no empty epoch between passes
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["epoch=2-step=40.ckpt"]
+    assert trainer.datamodule.state_dict()["epoch"] == 2
+    with open(next(tmp_path.glob("csv/version_0/metrics.csv"))) as f:
+        eval_steps = [r["step"] for r in csv.DictReader(f) if r.get("eval_reward")]
+    assert eval_steps == ["16", "32"]  # evaluation (after each whole pass) on the optimizer-step axis too
 
 
 def test_ppo_never_exceeds_max_steps_and_the_rich_bar_counts_steps(tmp_path: Path) -> None:
