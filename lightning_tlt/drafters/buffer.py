@@ -148,10 +148,7 @@ class FeatureReplayBuffer:
         first = torch.where(target, cols[None], big).amin(1) - start
         last = torch.where(target, cols[None], -big).amax(1) - start
         meta = torch.stack([start, real.sum(1), first, last, target.any(1).long()], 1).tolist()  # one host read
-        src_rows: list[int] = []
-        src_cols: list[int] = []
-        dst: list[int] = []
-        added = 0
+        placed: list[tuple[_Seq, int, int]] = []  # (sequence, source row, its first column)
         for i, (row_start, length, first_t, last_t, any_target) in enumerate(meta):
             if length < 2 or not any_target:
                 continue
@@ -160,12 +157,18 @@ class FeatureReplayBuffer:
                 continue
             offset = self._place(length)
             heldout = bool(torch.rand((), generator=self._generator) < self.heldout_fraction)
-            self._seqs.append(_Seq(offset, length, 0, first_t, min(last_t, length - 1), int(step), heldout))
-            src_rows += [i] * length
-            src_cols += range(row_start, row_start + length)
-            dst += range(offset, offset + length)
-            added += 1
+            seq = _Seq(offset, length, 0, first_t, min(last_t, length - 1), int(step), heldout)
+            self._seqs.append(seq)
+            placed.append((seq, i, row_start))
+        # a harvest larger than the ring laps it: write only the sequences still held, so every slot is
+        # written once (duplicate indices in one index_put_ are undefined on CUDA: parallel writes)
+        live = {id(q) for q in self._seqs}
+        placed = [p for p in placed if id(p[0]) in live]
+        added = len(placed)
         if added:
+            src_rows = [i for seq, i, _ in placed for _ in range(seq.length)]
+            src_cols = [c for seq, _, row_start in placed for c in range(row_start, row_start + seq.length)]
+            dst = [c for seq, _, _ in placed for c in range(seq.offset, seq.offset + seq.length)]
             dev = self.features.device
             d = torch.tensor(dst, device=dev)
             r = torch.tensor(src_rows, device=features.device)

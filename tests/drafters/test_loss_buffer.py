@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_tlt.drafters.buffer import FeatureReplayBuffer
 from lightning_tlt.drafters.loss import eagle_loss, expected_acceptance_length
@@ -111,6 +112,30 @@ def test_ring_evicts_the_oldest_and_keeps_contents() -> None:
         assert buf.features is not None and buf.tokens is not None
         stored = buf.tokens[seq.offset : seq.offset + seq.length].tolist()
         assert stored == list(range(100 * seq.step, 100 * seq.step + 10))
+        assert buf.features[seq.offset : seq.offset + seq.length, 0].tolist() == [float(t) for t in stored]
+
+
+class _UniqueIndexPut(TorchDispatchMode):
+    """Fails on an ``index_put_`` with a repeated index (undefined on CUDA: the writes race)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN204
+        if func.overloadpacket.__name__ in ("index_put_", "index_put"):
+            index = args[1][0]
+            assert index.unique().numel() == index.numel(), f"{index.numel()} writes to {index.unique().numel()} slots"
+        return func(*args, **(kwargs or {}))
+
+
+def test_one_harvest_larger_than_the_ring_writes_each_slot_once() -> None:
+    buf = FeatureReplayBuffer(capacity_tokens=64, heldout_fraction=0.0)
+    ids = torch.arange(200).view(10, 20)  # 200 tokens into a ring of 64: the harvest laps it
+    completion = (torch.arange(20) >= 5).long().expand(10, 20)
+    with _UniqueIndexPut():
+        added = buf.add(ids.float().unsqueeze(-1), ids, torch.ones_like(ids), completion, step=0)
+    assert added == len(buf._seqs) == 3 and buf.num_tokens <= 64  # only the sequences still held count
+    assert buf.tokens is not None and buf.features is not None
+    for seq in buf._seqs:  # each is its own row's tokens and features, written once
+        stored = buf.tokens[seq.offset : seq.offset + seq.length].tolist()
+        assert stored == list(range(stored[0], stored[0] + 20)) and stored[0] % 20 == 0
         assert buf.features[seq.offset : seq.offset + seq.length, 0].tolist() == [float(t) for t in stored]
 
 
