@@ -263,6 +263,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results.setdefault("chosen_k", {})[name] = {
             str(b): tuner.best(r) for b, r in zip(range(4), (1, 4, 20, 21))} if tuner is not None else None
         results.setdefault("graphs", {})[name] = on.graph_stats
+        results.setdefault("compile_failures", {})[name] = on.compile_failures  # non-empty: timed uncompiled
         print(f"[speculative] {name}: {runs[name][2]:.2f} s, {runs[name][0].stats.get('spec/acceptance_length')}",
               flush=True)
         del on

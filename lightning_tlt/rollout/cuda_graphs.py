@@ -99,6 +99,9 @@ class CUDAGraphBackend:
                 reset()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
+        # torch.cuda.graph's __enter__ empties the allocator's cache: empty it first, or the warm-up's
+        # freed temporaries, released there, cancel the capture's own memory in the figures below
+        torch.cuda.empty_cache()
         # what the capture takes from the device: the allocator's reserve, and (device-wide) the
         # graph's own instantiation; the larger of the two (measured on the H200, the reserve alone
         # read 0: the shared pool had room from the warm-up)

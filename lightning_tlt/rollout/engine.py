@@ -58,7 +58,7 @@ from lightning_tlt.rollout.scheduler import Request, SlotScheduler
 from lightning_tlt.rollout.slot_state import MAX_STOP_IDS, SlotState
 from lightning_tlt.rollout.spec_metrics import SpeculationMetrics
 from lightning_tlt.rollout.spec_step import DraftVocabulary, SpeculativeStep, StepContext
-from lightning_tlt.rollout.steps import SamplingKey, decode_update
+from lightning_tlt.rollout.steps import SamplingKey, allow_recompiles, decode_update
 from lightning_tlt.rollout.tuner import DraftLengthTuner
 
 CPU_DEFAULT_SLOTS = 16
@@ -163,6 +163,10 @@ class RolloutEngine:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self._use_cuda_graphs = use_cuda_graphs
         self._compile = compile
+        self._compiled = False  # the steps run compiled (until a compiler failure turns them eager)
+        self._captures = 0  # graphs captured so far (a step that captured is not timed for the tuner)
+        self.compile_failures: list[str] = []
+        """Compiler errors after which this engine ran its steps uncompiled (empty: compiled throughout)."""
         self._graph_memory_budget = graph_memory_budget_bytes
         self._memory_budget = memory_budget_bytes
         self._max_batch_size = max_batch_size
@@ -464,7 +468,9 @@ class RolloutEngine:
         self._graphs = CUDAGraphProfileCache(backend, max_batch=slots, memory_budget_bytes=self._graph_memory_budget)
         use_compile = on_cuda if self._compile is None else self._compile
         self._forward, self._decode_update = self._model_step, decode_update
+        self._compiled = use_compile
         if use_compile:
+            allow_recompiles()
             # the batch (and tokens-per-row) dimensions turn dynamic after a second shape: few compilations
             self._forward = torch.compile(self._model_step, fullgraph=True)
             self._decode_update = torch.compile(decode_update, fullgraph=True)
@@ -534,13 +540,16 @@ class RolloutEngine:
 
             graphs.capture([profile], lambda _: fn, reset)
             reset()
+            self._captures += 1  # this step's time includes the capture: the tuner leaves it out
         try:
             graphs.run(profile, fn)
         except Exception as err:
-            if self._forward is self._model_step:
+            if not self._compiled:
                 raise
             # a compiler failure must cost speed, not the rollout: continue uncompiled
             warnings.warn(f"torch.compile of the engine's steps failed ({err!r}); running uncompiled", stacklevel=2)
+            self.compile_failures.append(repr(err))
+            self._compiled = False
             self._forward, self._decode_update = self._model_step, decode_update
             if self._spec_step is not None:
                 self._spec_step.use_eager()
@@ -555,7 +564,7 @@ class RolloutEngine:
             run.bounds[r.index] += q
         if self.attention != "sdpa":
             return None
-        if self._forward is not self._model_step:
+        if self._compiled:
             return None  # compiled: one shape for every length (a bucket per length would recompile)
         longest = max(run.bounds[r.index] for r in active)
         return min(self._cache.max_seq_len, max(64, 1 << (longest - 1).bit_length()))
@@ -713,10 +722,11 @@ class RolloutEngine:
         batch = graphs.bucket(n)
         kv_len = self._kv_len(run, active, 1)
         timing = self._tuner.start(0, n) if self._tuner is not None and self._gate is not None and self._gate.on else None
+        captures = self._captures
         self._run_step(GraphProfile("decode", batch, 1, (key, kv_len)),
                        functools.partial(self._decode_step, batch, key, kv_len))
         if timing is not None and self._tuner is not None:
-            self._tuner.stop(timing, n)
+            self._tuner.stop(timing, n, captured=self._captures != captures)
         run.pending.append(self._flags(active, "decode"))
         if self._spec_step is not None:
             self._spec_step.plain_step()
@@ -729,9 +739,10 @@ class RolloutEngine:
         batch = graphs.bucket(n)
         kv_len = self._kv_len(run, active, k + 1)
         timing = self._tuner.start(k, n) if self._tuner is not None else None
+        captures = self._captures
         self._spec_step.run(self._context(), active, batch, k, key, self._drafter, self._drafter_handle, kv_len)
         if timing is not None and self._tuner is not None:
-            self._tuner.stop(timing, st.spec.emitted[:n])
+            self._tuner.stop(timing, st.spec.emitted[:n], captured=self._captures != captures)
         self._speculative_steps += 1
         run.pending.append(self._flags(active, "speculative"))
 
@@ -748,13 +759,13 @@ class RolloutEngine:
         batch = graphs.bucket(n)
         kv_len = self._kv_len(run, active, k + 1)
         timing = self._tuner.start(k, n) if self._tuner is not None else None
-        t0 = time.perf_counter()
+        t0, captures = time.perf_counter(), self._captures
         new_tokens = self._spec_step.run(self._context(), active, batch, k, key, self._drafter,
                                          self._drafter_handle, kv_len)
         assert new_tokens is not None
         emitted = sum(len(t) for t in new_tokens)
         if timing is not None and self._tuner is not None:
-            self._tuner.stop(timing, emitted)
+            self._tuner.stop(timing, emitted, captured=self._captures != captures)
         self._speculative_steps += 1
         done = [s for s, f in enumerate(st.finished[:n].tolist()) if f]
         if done:

@@ -53,7 +53,7 @@ from lightning_tlt.drafters.suffix import SuffixDrafter
 from lightning_tlt.rollout.cuda_graphs import CUDAGraphProfileCache, GraphProfile
 from lightning_tlt.rollout.scheduler import Request
 from lightning_tlt.rollout.slot_state import SlotState
-from lightning_tlt.rollout.steps import SamplingKey, draft_sample, verify_update
+from lightning_tlt.rollout.steps import SamplingKey, allow_recompiles, draft_sample, verify_update
 
 ForwardFn = Callable[..., tuple[Tensor, Tensor]]
 """``(tokens (B, q), positions (B, q), k_cache, v_cache, capture_layers, kv_len) -> (logits, features)``."""
@@ -136,12 +136,14 @@ class SpeculativeStep:
         self.vocab = vocab
         self.use_eager()
         if compile:
-            # dynamic from the start: one compilation per function serves every batch bucket and k
-            # (the catch-up block and the chained single row are compiled apart: their q differs)
+            allow_recompiles()
+            # dynamic from the start: few compilations per function serve every batch bucket and k
+            # (the catch-up block and the chained single row are compiled apart: their q differs, and
+            # two functions keep two caches, where one function compiled twice would share one)
             self._verify_update = torch.compile(verify_update, fullgraph=True, dynamic=True)
             self._draft_sample = torch.compile(draft_sample, fullgraph=True, dynamic=True)
-            self._catch_up_rows = torch.compile(drafter_rows, fullgraph=True, dynamic=True)
-            self._chain_row = torch.compile(drafter_rows, fullgraph=True, dynamic=True)
+            self._catch_up_rows = torch.compile(catch_up_rows, fullgraph=True, dynamic=True)
+            self._chain_row = torch.compile(chain_row, fullgraph=True, dynamic=True)
         self._head: tuple[Tensor, Tensor | None, Tensor | None] | None = None  # (rows, bias, ids)
         self._host_probs: Tensor | None = None  # (R, K, V) a host drafter's distributions
         self._contexts: dict[int, list[int]] = {}  # request index -> prompt + completion (host drafters)
@@ -412,6 +414,17 @@ def drafter_rows(
     x = drafter.input_hidden(feats.to(drafter.fc.weight.dtype), tokens)
     return drafter.layer_forward(x, positions, k_cache, v_cache, prefill=False, attention=attention, hole=hole,
                                  rope=(cos, sin))
+
+
+def catch_up_rows(*args: Any, **kwargs: Any) -> Tensor:
+    """`drafter_rows` over a catch-up block (its own code object: its own compile cache)."""
+    return drafter_rows(*args, **kwargs)
+
+
+def chain_row(*args: Any, **kwargs: Any) -> Tensor:
+    """`drafter_rows` over one chained row (its own code object: its own compile cache)."""
+    return drafter_rows(*args, **kwargs)
+
 
 
 def _first_row(x: Tensor, width: int) -> Tensor:

@@ -26,6 +26,23 @@ from lightning_tlt.core.sampling import processed_probs, sample_with_noise
 from lightning_tlt.rollout.slot_state import SlotState
 from lightning_tlt.rollout.verify import verify_chain
 
+RECOMPILE_LIMIT = 64
+"""Compiled versions allowed per step function (torch's default is 8)."""
+
+
+def allow_recompiles(limit: int = RECOMPILE_LIMIT) -> None:
+    """Raise Dynamo's recompile limits (never lower them) for the engine's compiled steps.
+
+    Even ``dynamic=True`` specialises on batch 1, on sizes equal to another size, on ``None``
+    inputs and on each sampling key: a speculating engine meets a dozen versions of a step over
+    its batch buckets, draft lengths and catch-up widths. At torch's default of 8 the ninth raises
+    (``fullgraph=True``) and the engine would then run uncompiled for the rest of its life.
+    """
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(int(dynamo_config.recompile_limit), limit)
+    dynamo_config.accumulated_recompile_limit = max(int(dynamo_config.accumulated_recompile_limit), 16 * limit)
+
 
 @dataclass(frozen=True)
 class SamplingKey:

@@ -212,8 +212,16 @@ class DraftLengthTuner:
             timing.start_s = time.perf_counter()
         return timing
 
-    def stop(self, timing: _Timing, emitted_tokens: Tensor | int | float) -> None:
-        """End the step begun by `start`; ``emitted_tokens`` (all rows) may be a device tensor."""
+    def stop(self, timing: _Timing, emitted_tokens: Tensor | int | float, *, captured: bool = False) -> None:
+        """End the step begun by `start`; ``emitted_tokens`` (all rows) may be a device tensor.
+
+        ``captured``: the step also captured a CUDA graph (and compiled): its measured time is not the
+        step's, so it is forgotten unscored (with a `cost_model` there is no measured time to spoil).
+        """
+        if captured and self.cost_model is None:
+            key = (timing.bucket, timing.k)
+            self._started[key] = max(0, self._started.get(key, 0) - 1)
+            return
         if not self._cuda or self.cost_model is not None:
             if self.cost_model is not None:
                 seconds = self.cost_model(timing.k, timing.rows)

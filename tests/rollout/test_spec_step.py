@@ -249,3 +249,88 @@ def test_a_stale_catch_up_block_wider_than_the_step_is_never_indexed() -> None:
     engine._graphs = CUDAGraphProfileCache(Backend(), max_batch=4)
     engine.generate([[5, 6, 7]], SamplingConfig(temperature=1.0, max_new_tokens=6, stop_token_ids=[]), num_samples=2)
     assert captured and all(callable(r) for r in captured)
+
+
+# ------------------------------------------------------------------------- compiled steps, errors, timing
+def test_every_step_shape_of_a_speculating_engine_stays_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Dynamo's guards without Inductor (backend="eager"): each batch bucket x draft length x catch-up
+    # width is a step the engine meets in the tail; at torch's default limit of 8 versions the 10th
+    # drafter-rows compile raised, and the engine then ran uncompiled for the rest of its life
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
+    import torch._dynamo.config as dynamo_config
+
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)  # torch's default, raised by the engine
+    monkeypatch.setattr(dynamo_config, "accumulated_recompile_limit", 256)
+    model = build_model("qwen2", "tiny", seed=0)
+    config = SpeculativeConfig(method="eagle", threshold=16, hysteresis_steps=1, draft_vocab_size=64)
+    engine = RolloutEngine(model, max_seq_len=64, max_batch_size=16, compile=True, speculative=config)
+    engine._ensure_buffers()
+    assert engine._spec_step is not None and engine._state is not None and engine._cache is not None
+    engine._spec_step.begin(model.lm_head)
+    st = engine._state
+    st.begin([], 20)
+    st.finished[:] = False
+    st.positions.fill_(10)
+    drafter = engine.drafter
+    assert drafter is not None
+    st.ensure_drafter_cache(drafter.num_kv_heads, drafter.head_dim, engine._cache.max_seq_len, drafter.fc.weight.dtype)
+    key = SamplingKey(1.0, 0, 1.0)
+    for batch in (16, 8, 4, 2, 1):
+        for k in (8, 2, 4, 6):
+            for width in (1, 3, 5, 9):
+                engine._spec_step._eagle_step(engine._context(), batch, k, width, key, drafter, None)
+    assert dynamo_config.recompile_limit >= 64 and engine.compile_failures == []
+
+
+def test_a_step_error_is_raised_not_retried_as_a_compiler_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = RolloutEngine(build_model("qwen2", "tiny", seed=0), max_seq_len=32, max_batch_size=2, compile=False)
+
+    def broken(*args: object) -> None:
+        raise ValueError("a bug in the step")
+
+    monkeypatch.setattr(engine, "_decode_step", broken)
+    with pytest.raises(ValueError, match="a bug in the step"):  # was: retried until RecursionError
+        engine.generate([[5, 6]], GREEDY)
+
+
+def test_the_tuner_never_scores_a_step_that_captured_a_graph() -> None:
+    model = build_model("qwen2", "tiny", seed=0)
+    config = SpeculativeConfig(method="eagle", num_draft_tokens=None, draft_candidates=(2, 4, 8), threshold=8,
+                               hysteresis_steps=1, tuner_epsilon=0.0, tuner_min_samples=2)
+    engine = RolloutEngine(model, max_seq_len=96, max_batch_size=8, speculative=config)
+    engine.drafter = EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(0)).inference_copy()
+    engine._ensure_buffers()
+    captures = [0]
+
+    class Backend(CountingBackend):
+        def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> _Replayable:
+            captures[0] += 1
+            return super().capture(fn, reset)
+
+    engine._graphs = CUDAGraphProfileCache(Backend(), max_batch=8)
+    tuner = engine.tuner
+    assert tuner is not None
+    start, stop = tuner.start, tuner.stop
+    at_start: dict[int, int] = {}
+    scored, discarded = [0], [0]
+
+    def start_(k: int, rows: int):  # type: ignore[no-untyped-def]  # noqa: ANN202
+        timing = start(k, rows)
+        at_start[id(timing)] = captures[0]
+        return timing
+
+    def stop_(timing, emitted, *, captured=False) -> None:  # type: ignore[no-untyped-def]  # noqa: ANN001
+        samples = sum(len(r) for r in tuner._rewards.values())
+        stop(timing, emitted, captured=captured)
+        if captures[0] != at_start[id(timing)]:  # this step captured: told so, and left unscored
+            assert captured and sum(len(r) for r in tuner._rewards.values()) == samples
+            discarded[0] += 1
+        else:
+            assert not captured
+            scored[0] += 1
+
+    tuner.start, tuner.stop = start_, stop_  # type: ignore[method-assign]
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=40, stop_token_ids=[])
+    engine.generate([[1, 2, 3]], cfg, num_samples=2, generator=torch.Generator().manual_seed(0))
+    assert discarded[0] > 0 and scored[0] > 0
