@@ -179,10 +179,11 @@ def run_arm(arm: str, args: argparse.Namespace, device: str, drafter_dir: Path, 
     )  # fmt: skip
     recorder = Recorder(arm, args.stall_threshold, deadline)
     data.add_listener(recorder.on_step_event)
-    callbacks: list[Callback] = [recorder]
+    callbacks: list[Callback] = []
     if arm in ("cotrain", "shadow", "cold"):
         drafter = None if arm == "cold" else EagleDrafter.from_pretrained(drafter_dir, policy)
         callbacks.append(cotrain_callback(args, drafter, publish=arm != "shadow"))
+    callbacks.append(recorder)  # after the co-training callback: it reads that step's drafter metrics
     trainer = pl.Trainer(
         max_steps=args.steps, accelerator="gpu" if device == "cuda" else "cpu", devices=1, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

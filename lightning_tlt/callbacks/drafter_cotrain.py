@@ -383,9 +383,10 @@ class DrafterCoTrainCallback(Callback):
             return
         self._window.stall_events += 1
         self._window.stall_time_s += event.step_time_s
-        n = self.pacer.plan(event.phase, event.active_rows, event.step_time_s, learner.in_flight())
+        n = self.pacer.plan(event.phase, event.active_rows, event.step_time_s, learner.in_flight(), event.captured)
         if n:
             queued = learner.enqueue(n)
+            self.pacer.queued(queued, learner.in_flight())
             if queued:
                 self.step_log.append(("stall", event.active_rows, queued))
 

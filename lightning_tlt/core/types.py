@@ -103,6 +103,8 @@ class StepEvent:
     """Host wall time of the step (timed without a device sync where possible: an upper bound then)."""
     new_tokens: int = 0
     """Tokens this step appended over all rows."""
+    captured: bool = False
+    """The step's time includes capturing a CUDA graph (and compiling): not the step's own cost."""
 
 
 StepListener = Callable[[StepEvent], None]

@@ -64,7 +64,7 @@ def eagle_loss(
         )
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
-    m = mask.to(pred_features.dtype)  # (B, T)
+    m = mask.float()  # (B, T) float32 even under bf16 autocast: row counts above 256 stay exact
     rows = m.sum()
     denom = rows.clamp_min(1.0)
     feat = F.smooth_l1_loss(pred_features.float(), target_features.float(), reduction="none").mean(

@@ -66,15 +66,21 @@ class StallPacer:
         """Steps comparable in cost: same phase, active rows rounded up to a power of two."""
         return phase, 1 << max(0, active_rows - 1).bit_length()
 
-    def plan(self, phase: str, active_rows: int, step_time_s: float, in_flight: int) -> int:
+    def plan(self, phase: str, active_rows: int, step_time_s: float, in_flight: int, captured: bool = False) -> int:
         """Steps to queue after a stall step that took ``step_time_s``, with ``in_flight`` steps
-        still running on the side stream."""
+        still running on the side stream; ``captured``: that time includes a graph capture (or a
+        compile), so it measures nothing (one such step as a clean baseline would hide every real
+        slowdown of its bucket; as a loaded one it would throw the rate to its floor)."""
         if self.max_slowdown is None:
             return self.max_per_event
         key = self.bucket(phase, active_rows)
         clean = self._clean.get(key)
         a = self.smoothing
-        if not self._loaded:
+        observed = float("nan")
+        if captured:
+            if clean is not None:
+                self._since_clean[key] = self._since_clean.get(key, 0) + 1
+        elif not self._loaded:
             self._clean[key] = step_time_s if clean is None else (1 - a) * clean + a * step_time_s
             self._since_clean[key] = 0
             observed = 0.0
@@ -93,6 +99,11 @@ class StallPacer:
             self._credit -= n
         self._loaded = in_flight + n > 0
         return n
+
+    def queued(self, accepted: int, in_flight: int) -> None:
+        """What the learner accepted of the last `plan` (fewer when its queue is full or its buffer
+        empty): the next step is loaded only by work that really runs beside it."""
+        self._loaded = in_flight + accepted > 0
 
     def skip(self, in_flight: int) -> None:
         """An event outside the stalls (nothing measured, nothing queued): the next step is loaded

@@ -348,9 +348,12 @@ class DrafterTrainer:
         `take_evaluation` reads it later."""
         if not plans:
             return
-        sums = torch.zeros(4, dtype=torch.float64, device=self.device)
         inputs = [p.pin_memory() if self._stream is not None else p for p in plans]
         drafters = [self.drafter, published if published is not None else self.drafter]
+        if self._stream is not None:  # after what the main stream wrote (ring, published weights)
+            self._stream.wait_stream(torch.cuda.current_stream())
+        with self._side():  # allocated on the stream that adds into it
+            sums = torch.zeros(4, dtype=torch.float64, device=self.device)
 
         @torch.no_grad()
         def run() -> None:
@@ -440,6 +443,9 @@ class DrafterTrainer:
         self.wait()
         self.optimizer.load_state_dict(state["optimizer"])
         for group in self.optimizer.param_groups:
+            # this trainer's kind of update, whatever the checkpoint's was: the step skips non-finite
+            # updates through found_inf, which only the fused AdamW reads
+            group["fused"], group["foreach"] = True, None
             group["capturable"] = self._lr is not None
             if self._lr is not None:  # keep the device learning rate the step writes
                 self._lr.copy_(torch.as_tensor(group["lr"], dtype=torch.float32))

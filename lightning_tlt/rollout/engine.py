@@ -165,6 +165,7 @@ class RolloutEngine:
         self._compile = compile
         self._compiled = False  # the steps run compiled (until a compiler failure turns them eager)
         self._captures = 0  # graphs captured so far (a step that captured is not timed for the tuner)
+        self._captures_told = 0  # ... as of the last step event (an event whose time held one says so)
         self.compile_failures: list[str] = []
         """Compiler errors after which this engine ran its steps uncompiled (empty: compiled throughout)."""
         self._graph_memory_budget = graph_memory_budget_bytes
@@ -814,8 +815,9 @@ class RolloutEngine:
         run.tokens += new_tokens
         if run.bar is not None:
             run.bar.update(new_tokens)
+        captured, self._captures_told = self._captures != self._captures_told, self._captures  # within dt
         self._emit(StepEvent(run.steps, phase, sched.num_active, sched.num_queued, sched.num_slots, dt,  # type: ignore[arg-type]
-                             new_tokens=new_tokens))
+                             new_tokens=new_tokens, captured=captured))
 
     def _harvest(self, done_slots: list[int], results: Results) -> None:
         """Read finished rows' completions, free their slots and repack the active rows."""

@@ -204,3 +204,22 @@ def test_pacer_probes_a_clean_baseline_first() -> None:
     assert pacer.plan("decode", 6, 0.002, 0) == 1  # measured clean: now it trains
     counts = [pacer.plan("decode", 6, 0.002, 1) for _ in range(12)]
     assert 0 in counts  # every probe_every loaded steps it holds back once to re-measure
+
+
+@pytest.mark.parametrize("at", [0, 1, 5])  # the first clean step, the first loaded one, a later one
+def test_pacer_survives_one_step_slowed_by_a_graph_capture(at: int) -> None:
+    # decode steps of 5 ms, each drafter step in flight costs 10 %; step `at` also captures a graph (200 ms)
+    pacer, in_flight, slowed = StallPacer(max_per_event=4, max_slowdown=0.05), 0, []
+    for i in range(600):
+        time_s = 0.005 * (1 + 0.10 * in_flight) + (0.2 if i == at else 0.0)
+        in_flight = pacer.plan("decode", 8, time_s, in_flight, captured=i == at)  # the engine's StepEvent.captured
+        slowed.append(time_s / 0.005 - 1)
+    assert sum(slowed[100:]) / 500 == pytest.approx(0.05, abs=0.01)  # unflagged: 0.39 (a baseline stuck at 200 ms)
+
+
+def test_pacer_counts_only_the_steps_the_learner_accepted() -> None:
+    pacer = StallPacer(max_per_event=2, max_slowdown=0.05)
+    pacer.plan("decode", 4, 0.002, 0)  # clean baseline
+    assert pacer.plan("decode", 4, 0.002, 0) > 0
+    pacer.queued(0, 0)  # the learner took none (empty buffer, full queue)
+    assert not pacer._loaded  # so the next step is clean, not a loaded one

@@ -331,6 +331,11 @@ def test_the_tuner_never_scores_a_step_that_captured_a_graph() -> None:
             scored[0] += 1
 
     tuner.start, tuner.stop = start_, stop_  # type: ignore[method-assign]
+    events: list[StepEvent] = []
+    engine.add_listener(events.append)
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=40, stop_token_ids=[])
     engine.generate([[1, 2, 3]], cfg, num_samples=2, generator=torch.Generator().manual_seed(0))
     assert discarded[0] > 0 and scored[0] > 0
+    # the step events whose time held a capture say so (the co-training pacer leaves them out)
+    flagged = sum(e.captured for e in events)
+    assert 0 < flagged <= captures[0] and not all(e.captured for e in events if e.phase != "done")
