@@ -153,6 +153,7 @@ class DrafterTrainer:
         self._plan = torch.full((config.batch_size, config.pack_segments, 3), -1, dtype=torch.long, device=dev)
         self._plan[..., 1:] = 0
         self._graph: Any = None
+        self._captured_at: tuple[int, ...] = ()  # `_addresses()` at the capture
         self._stream: Any = torch.cuda.Stream(device=dev) if execution in ("graph", "stream") else None
         slots = config.max_queued if self._stream is not None else 0
         self._pinned = [torch.empty_like(self._plan, device="cpu").pin_memory() for _ in range(slots)]
@@ -225,8 +226,19 @@ class DrafterTrainer:
         Call it at a step boundary rather than in a stall (the capture synchronizes the device);
         `enqueue` calls it if needed. A capture that raises falls back to ``"stream"`` with a warning.
         """
-        if self.execution != "graph" or self._graph is not None:
+        if self.execution != "graph":
             return
+        if self._graph is not None:
+            addresses = self._addresses()
+            if addresses == self._captured_at:
+                return
+            # a graph replays fixed addresses: the policy's shared embedding or head (a reloaded or
+            # re-sharded policy), the ring or the drafter moved, so capture again, never read freed memory
+            if len(addresses) == len(self._captured_at):
+                warnings.warn("the drafter step's inputs moved in memory since its capture; capturing it again",
+                              stacklevel=2)
+            self.wait()
+            self._graph = None
         main = torch.cuda.current_stream()
         self._stream.wait_stream(main)  # everything the main stream wrote (buffer, weights) first
         with self._side(), torch.enable_grad():
@@ -249,6 +261,14 @@ class DrafterTrainer:
             self._hold.fill_(0.0)
             self._plan.copy_(saved)
         self._graph = graph
+        self._captured_at = self._addresses()
+
+    def _addresses(self) -> tuple[int, ...]:
+        """Where the tensors the captured step reads live (the drafter's, the shared embedding and
+        head, the buffer's ring)."""
+        drafter, buffer = self.drafter, self.buffer
+        ring = [t for t in (buffer.features, buffer.tokens, buffer.completion) if t is not None]
+        return tuple(t.data_ptr() for t in (*drafter.parameters(), drafter.embed_weight, drafter.lm_head_weight, *ring))
 
     def _free_slot(self, block: bool) -> int | None:
         slot = self._next_slot

@@ -223,3 +223,13 @@ def test_pacer_counts_only_the_steps_the_learner_accepted() -> None:
     assert pacer.plan("decode", 4, 0.002, 0) > 0
     pacer.queued(0, 0)  # the learner took none (empty buffer, full queue)
     assert not pacer._loaded  # so the next step is clean, not a loaded one
+
+
+def test_the_captured_steps_inputs_are_tracked_by_address() -> None:
+    # a CUDA graph replays fixed addresses: `prepare` captures again when any of these moved
+    trainer = make_trainer()
+    before = trainer._addresses()
+    assert before == trainer._addresses() and len(before) == len(list(trainer.drafter.parameters())) + 5
+    head = trainer.drafter._lm_head
+    head.weight = torch.nn.Parameter(head.weight.detach().clone())  # a reloaded policy's head: new storage
+    assert trainer._addresses() != before
