@@ -449,13 +449,14 @@ class DrafterCoTrainCallback(Callback):
             self._heldout = heldout
             self.evaluations.append((self._last_eval_step, *heldout))
         published = self._maybe_publish(engine, measured, changed)
+        stats = learner.take_stats()  # before the evaluation is queued: reading it then would wait for it
         if self.buffer.num_train:
             learner.prepare()  # the graph capture synchronizes: here, not in a stall
         learner.resume_after_main()  # later drafter steps see this boundary's buffer and weights
         if self._warm_started and (self.rl_steps == 1 or self.rl_steps % self.config.eval_every_n_steps == 0):
             learner.evaluate(self.published, self._heldout_plans())
             self._last_eval_step = self.rl_steps
-        self._log(pl_module, engine, heldout, published)
+        self._log(pl_module, engine, heldout, published, stats)
 
     def _harvest(self, pl_module: pl.LightningModule) -> None:
         features = pl_module.take_policy_features() if isinstance(pl_module, PolicyFeatureSource) else None
@@ -505,10 +506,10 @@ class DrafterCoTrainCallback(Callback):
         self._published_steps = self.learner.steps_enqueued
 
     def _log(
-        self, pl_module: pl.LightningModule, engine: Any, heldout: tuple[float, float] | None, published: bool
+        self, pl_module: pl.LightningModule, engine: Any, heldout: tuple[float, float] | None, published: bool,
+        stats: dict[str, float],
     ) -> None:
         assert self.learner is not None
-        stats = self.learner.take_stats()
         w = self._window
         metrics: dict[str, float] = {
             "drafter/steps": float(self.learner.steps_enqueued),
