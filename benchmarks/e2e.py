@@ -13,11 +13,12 @@ c. ``trl``: TRL's ``GRPOTrainer`` with its default HF ``generate``, same policy,
    (`grpo_settings`), as many steps as its own time budget allows (measured, not extrapolated).
 
 Stages (``--stage``, comma-separated, default ``all``): ``warmstart`` (SFT of the policy, bounded in
-time, then the drafter's warm start; both cached under ``.cache/``), ``ab`` (a and b, seed by seed;
-b first, a then runs b's number of steps), ``trl``, and the report, which every call writes from
-all that is cached. A second call on a still-warm machine reuses the cached warm starts and runs,
-and says what it recomputed. ``--budget-s`` bounds one call: a unit (a pair of a and b for one seed,
-or the TRL run) starts only when its estimated time fits in what is left.
+time, then the drafter's warm start), ``ab`` (b, then a over b's number of steps, seed by seed),
+``trl``, and the report, which every call writes from all that is cached. Every unit is cached under
+``.cache/`` (git-ignored) as soon as it ends, keyed by the policy it starts from and its own
+settings, so a call that is stopped loses only the unit it was in. ``--budget-s`` bounds one call:
+a unit starts only when its estimated time (b's measured time, once there is one) fits in what is
+left, and a run ends by the deadline it was given, loading, compiling and capturing included.
 
 Reported per configuration: step time split into rollout (of it: the tail, at most ``--threshold``
 rows active), reward, train and drafter; response lengths (p50, p90, p99, max); acceptance over
@@ -25,10 +26,11 @@ steps; correctness per step; the ratios ``a_over_b_step``, ``a_over_b_rollout``,
 ``tlt_over_trl_step``; and the "no accuracy loss" judgement: the mean difference of the
 correctness curves of a and b over steps and seeds, with its standard error.
 
-GPU, two calls of under 10 minutes on an H200::
+GPU: the same command, repeated on the still-warm machine until the report is whole (about three
+calls of under 10 minutes on an H200: warm starts; b and a of seed 0; TRL, then seed 1 if time is
+left)::
 
-    python benchmarks/e2e.py --stage warmstart,ab          # warm starts, then a and b of seed 0
-    python benchmarks/e2e.py                               # cached: TRL, then seed 1 if time is left
+    python benchmarks/e2e.py
 
 CPU smoke check of the whole pipeline (tiny model, about two minutes; caches under .cache/e2e_smoke/, writes
 under benchmarks/results/smoke/):
@@ -143,42 +145,29 @@ def warm_start_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     )
 
 
-def workload_key(args: argparse.Namespace) -> str:
-    """Names the cached drafter and runs: every setting that changes what they hold."""
-    keys = (
-        "task",
-        "difficulty",
-        "arch",
-        "size",
-        "sft_steps",
-        "sft_batch",
-        "sft_lr",
-        "sft_max_length",
-        "sft_batch_tokens",
-        "sft_max_time_s",
-        "drafter_prompts",
-        "drafter_samples",
-        "drafter_steps",
-        "drafter_lr",
-        "steps",
-        "prompts",
-        "generations",
-        "max_new",
-        "lr",
-        "micro_batch",
-        "threshold",
-        "cotrain_lr",
-        "trl_steps",
-        "trl_budget_s",
-        "smoke",
-    )
+DRAFTER_KEYS = ("drafter_prompts", "drafter_samples", "drafter_steps", "drafter_lr", "max_new")
+RUN_KEYS = ("steps", "prompts", "generations", "max_new", "lr", "micro_batch", "threshold", "cotrain_lr")
+TRL_KEYS = ("trl_steps", "trl_budget_s", "prompts", "generations", "max_new", "lr", "micro_batch")
+
+
+def _key(prefix: str, args: argparse.Namespace, keys: tuple[str, ...]) -> str:
     settings = {k: getattr(args, k) for k in keys}
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
-    return f"{args.task}-d{args.difficulty}-{args.size}-{digest}"
+    return f"{prefix}-{hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]}"
 
 
-def run_dir(args: argparse.Namespace) -> Path:
-    path = Path(args.cache_dir).parent / "e2e" / workload_key(args)
+def workload_key(args: argparse.Namespace) -> str:
+    """The workload's name (task, size, the warm start's settings); each stage caches below it."""
+    keys = ("arch", "smoke", "sft_steps", "sft_batch", "sft_lr", "sft_max_length", "sft_batch_tokens", "sft_max_time_s")
+    return _key(f"{args.task}-d{args.difficulty}-{args.size}", args, keys)
+
+
+def stage_dir(args: argparse.Namespace, policy_dir: Path, stage: str) -> Path:
+    """Where a stage's results are cached: keyed by the policy it starts from and by its own settings
+    only (a changed TRL budget does not recompute the drafter or the a/b runs, a new policy does)."""
+    drafter = _key(f"drafter-{policy_dir.name}", args, DRAFTER_KEYS)
+    key = {"drafter": drafter, "runs": _key(f"runs-{drafter}", args, RUN_KEYS),
+           "trl": _key(f"trl-{policy_dir.name}", args, TRL_KEYS)}[stage]  # fmt: skip
+    path = Path(args.cache_dir).parent / "e2e" / key
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -228,7 +217,7 @@ def warm_drafter(
     from lightning_tlt.drafters.trainer import DrafterTrainConfig
     from lightning_tlt.rollout.engine import RolloutEngine
 
-    directory = run_dir(args) / "drafter"
+    directory = stage_dir(args, policy_dir, "drafter") / "drafter"
     info_path = directory / "warmup.json"
     if info_path.is_file():
         log(f"drafter warm start: cached ({directory})")
@@ -300,13 +289,10 @@ class StepRecorder(Callback):
     ``tail_rows``) and the rest.
     """
 
-    def __init__(self, name: str, tail_rows: int, correctness_key: str, time_limit_s: float) -> None:
-        self.name, self.tail_rows, self.correctness_key, self.time_limit_s = (
-            name,
-            tail_rows,
-            correctness_key,
-            time_limit_s,
-        )
+    def __init__(self, name: str, tail_rows: int, correctness_key: str, deadline: float) -> None:
+        self.name, self.tail_rows, self.correctness_key = name, tail_rows, correctness_key
+        self.deadline = deadline
+        """``time.perf_counter()`` by which the run must end: no step starts that would not finish by then."""
         self.marker = _TrainEndMarker(self)
         """Put first in the Trainer's callbacks (this recorder last): it stamps the end of the
         training step, so the RL-step boundary work of other callbacks (drafter publishing) is timed apart."""
@@ -383,9 +369,8 @@ class StepRecorder(Callback):
         )
         self._tail_s = self._bulk_s = 0.0
         self._last_end = now
-        step_s = r["wall_s"]
-        if now - self._start + step_s > self.time_limit_s:  # the next step would not fit: stop here
-            log(f"{self.name}: time limit {self.time_limit_s:.0f} s reached after {len(self.steps)} steps")
+        if now + r["wall_s"] > self.deadline:  # the next step would not finish in time: stop here
+            log(f"{self.name}: deadline reached after {len(self.steps)} steps")
             trainer.should_stop = True
 
 
@@ -407,7 +392,9 @@ def run_lightning(
     steps: int,
     time_limit_s: float,
 ) -> dict[str, Any]:
-    """One GRPO run with the kit: configuration a (``tlt``) or b (``nospec``)."""
+    """One GRPO run with the kit: configuration a (``tlt``) or b (``nospec``), ended within
+    ``time_limit_s`` of this call (loading, compiling and capturing included)."""
+    deadline = time.perf_counter() + time_limit_s
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     pl.seed_everything(seed, workers=False, verbose=False)
@@ -419,14 +406,14 @@ def run_lightning(
         args.task,
         prompts_per_step=args.prompts,
         difficulty=args.difficulty,
-        task_size=args.prompts * (steps + 2),
+        task_size=args.prompts * (args.steps + 2),  # the same prompt order for a and b, whatever `steps`
         speculative=speculative,
         seed=seed,
         max_batch_size=args.prompts * args.generations,
     )
     task = get_task(args.task)
     correctness_key = f"rewards/{task.reward_funcs[0].__name__}/mean"
-    recorder = StepRecorder(name, args.threshold, correctness_key, time_limit_s)
+    recorder = StepRecorder(name, args.threshold, correctness_key, deadline)
     callbacks: list[Callback] = [recorder.marker]
     if name == "tlt":
         from lightning_tlt.callbacks.drafter_cotrain import DrafterCoTrainCallback
@@ -453,9 +440,11 @@ def run_lightning(
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        num_sanity_val_steps=0,  # no evaluation rollouts: each is a full batch of long completions
+        limit_val_batches=0,
         callbacks=callbacks,
     )
-    log(f"{name} seed {seed}: up to {steps} steps, stops by {time_limit_s:.0f} s")
+    log(f"{name} seed {seed}: up to {steps} steps, ends within {time_limit_s:.0f} s")
     t0 = time.perf_counter()
     trainer.fit(module, datamodule=data)
     total = time.perf_counter() - t0
@@ -467,7 +456,7 @@ def run_lightning(
         "steps": recorder.steps,
         "graph_stats": dict(graphs) if isinstance(graphs, dict) else None,
     }
-    del trainer, module, data, policy
+    del trainer, module, data, policy, callbacks, recorder
     _free()
     return run
 
@@ -513,7 +502,7 @@ def run_trl(args: argparse.Namespace, seed: int, policy_dir: Path, budget_s: flo
                 control.should_training_stop = True
 
     cfg = TRLGRPOConfig(
-        output_dir=str(run_dir(args) / "trl_out"),
+        output_dir=str(stage_dir(args, policy_dir, "trl") / "trl_out"),
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=rows // micro,  # one optimizer step per generation batch, as a and b
         **grpo_settings(args),
@@ -526,6 +515,7 @@ def run_trl(args: argparse.Namespace, seed: int, policy_dir: Path, budget_s: flo
         use_cpu=not cuda,
         dataloader_num_workers=0,
         disable_tqdm=True,
+        gradient_checkpointing=False,  # TRL turns it on by default; a and b do not checkpoint
         model_init_kwargs={"dtype": "bfloat16"} if cuda else None,  # the kit's arms train bf16 weights too
     )
     trainer = GRPOTrainer(
@@ -640,17 +630,29 @@ def no_accuracy_loss(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]])
     }
 
 
-def ratios(summary: dict[str, Any]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    if "tlt" in summary and "nospec" in summary:
-        a, b = summary["tlt"], summary["nospec"]
-        out["a_over_b_step"] = b["step_s"] / a["step_s"]
-        out["a_over_b_rollout"] = b["rollout_s"] / a["rollout_s"]
-        out["a_over_b_tail"] = b["tail_s"] / a["tail_s"] if a["tail_s"] > 0 else float("nan")
-    if "trl" in summary and "tlt" in summary:
-        out["tlt_over_trl_step"] = summary["trl"]["step_s"] / summary["tlt"]["step_s"]
-    if "trl" in summary and "nospec" in summary:
-        out["nospec_over_trl_step"] = summary["trl"]["step_s"] / summary["nospec"]["step_s"]
+def ratios(summary: dict[str, Any]) -> dict[str, float | None]:
+    """The issue's four ratios (``None`` where not measured or undefined)."""
+    a, b, c = summary.get("tlt"), summary.get("nospec"), summary.get("trl")
+
+    def over(x: float | None, y: float | None) -> float | None:
+        return x / y if x is not None and y is not None and y > 0 else None
+
+    return {
+        "a_over_b_step": over(b and b["step_s"], a and a["step_s"]),
+        "a_over_b_rollout": over(b and b["rollout_s"], a and a["rollout_s"]),
+        "a_over_b_tail": over(b and b["tail_s"], a and a["tail_s"]),
+        "tlt_over_trl_step": over(c and c["step_s"], a and a["step_s"]),
+    }
+
+
+def paired(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """a and b of each seed cut to the steps both ran (the same prompts): means and ratios compare like
+    with like; a configuration without its pair is kept whole."""
+    out = []
+    for run in runs:
+        other = next((r for r in runs if r["seed"] == run["seed"] and r["name"] != run["name"]), None)
+        n = min(len(run["steps"]), len(other["steps"])) if other is not None else len(run["steps"])
+        out.append({**run, "steps": run["steps"][:n]})
     return out
 
 
@@ -806,7 +808,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seeds", default="0,1")
     p.add_argument(
-        "--est-pair-s", type=float, default=300.0, help="first guess of a+b for one seed (then measured)"
+        "--est-run-s", type=float, default=360.0, help="first guess of one run (a or b), loading and capture included"
     )
     p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "lightning_tlt"))
     p.add_argument("--out", default=None)
@@ -832,7 +834,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
         args.steps, args.skip, args.trl_steps, args.trl_budget_s, args.prompts = 6, 1, 2, 30.0, 8
         args.generations, args.max_new, args.threshold, args.micro_batch, args.seeds = 4, 96, 4, 8, "0"
-        args.lr, args.budget_s, args.est_pair_s = 1e-4, 150.0, 30.0
+        args.lr, args.budget_s, args.est_run_s = 1e-4, 150.0, 20.0
         results = (
             ROOT / "benchmarks" / "results" / "smoke"
         )  # git-ignored, like every benchmark's smoke output
@@ -855,16 +857,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     budget = Budget(args.budget_s)
     seeds = [int(s) for s in args.seeds.split(",")]
-    parts = run_dir(args)
     log(
         f"workload {workload_key(args)}: {args.task} d{args.difficulty}, {args.size}, {args.prompts} prompts x "
-        f"{args.generations}, max {args.max_new} new tokens; stages {sorted(args.stages)}; cache {parts}"
+        f"{args.generations}, max {args.max_new} new tokens; stages {sorted(args.stages)}"
     )
     recomputed: list[str] = []
 
     policy_dir = warm_start_dir(args.task, args.arch, args.size, **warm_start_kwargs(args))
     warm: dict[str, Any] = {}
-    drafter_dir: Path | None = parts / "drafter"
+    drafter_dir: Path | None = stage_dir(args, policy_dir, "drafter") / "drafter"
     if "warmstart" in args.stages or args.stages & {"ab", "trl"}:
         policy_dir, warm["policy"] = warm_policy(args, device)
         if warm["policy"]["recomputed"]:
@@ -874,44 +875,54 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if warm["drafter"]["recomputed"]:
             recomputed.append("drafter warm start")
 
-    def estimate_pair() -> float:
-        done = [r for s in seeds for n in ("tlt", "nospec") if (r := _load(parts / f"{n}_seed{s}.json"))]
-        return sum(r["total_s"] for r in done[:2]) * 1.1 if len(done) >= 2 else args.est_pair_s
+    parts = stage_dir(args, policy_dir, "runs")
 
-    def run_pair(seed: int) -> None:
-        if all((parts / f"{n}_seed{seed}.json").is_file() for n in ("tlt", "nospec")):
-            log(f"a and b, seed {seed}: cached")
+    def estimate(name: str) -> float:
+        """A run's wall time: b's measured total (a runs b's steps), else the first guess."""
+        done = [r for s in seeds if (r := _load(parts / f"nospec_seed{s}.json"))]
+        return done[0]["total_s"] * 1.15 + 30 if done else args.est_run_s
+
+    def run_config(name: str, seed: int) -> None:
+        """b (``nospec``) first, then a (``tlt``) over b's steps; each cached as soon as it ends."""
+        path = parts / f"{name}_seed{seed}.json"
+        if path.is_file():
+            log(f"{name}, seed {seed}: cached")
             return
-        if not budget.allows(estimate_pair(), f"a and b, seed {seed}"):
+        b = _load(parts / f"nospec_seed{seed}.json")
+        if name == "tlt" and b is None:
+            return  # a runs as many steps as b did: b first
+        if not budget.allows(estimate(name), f"{name}, seed {seed}"):
             return
-        # b first (the slower one), on a time limit that leaves a the same; a then runs b's steps
-        b = run_lightning("nospec", args, seed, policy_dir, None, args.steps, budget.left() * 0.55)
-        a = run_lightning("tlt", args, seed, policy_dir, drafter_dir, len(b["steps"]), budget.left() - 5)
-        for run in (a, b):
-            (parts / f"{run['name']}_seed{seed}.json").write_text(json.dumps(run, default=float))
-        recomputed.append(f"a and b, seed {seed}")
+        steps = len(b["steps"]) if name == "tlt" and b is not None else args.steps
+        run = run_lightning(name, args, seed, policy_dir, drafter_dir if name == "tlt" else None, steps,
+                            budget.left() - 10)  # fmt: skip
+        path.write_text(json.dumps(run, default=float))
+        recomputed.append(f"{name}, seed {seed}")
 
     def run_trl_stage() -> None:
-        if (parts / "trl.json").is_file():
+        path = stage_dir(args, policy_dir, "trl") / "trl.json"
+        if path.is_file():
             log("trl: cached")
             return
-        if not budget.allows(args.trl_budget_s + 30, "trl"):
+        if not budget.allows(args.trl_budget_s + 60, "trl"):
             return
         run = run_trl(args, seeds[0], policy_dir, min(args.trl_budget_s, budget.left() - 10))
-        (parts / "trl.json").write_text(json.dumps(run, default=float))
+        path.write_text(json.dumps(run, default=float))
         recomputed.append("trl")
 
     if "ab" in args.stages:
-        run_pair(seeds[0])
+        for name in ("nospec", "tlt"):
+            run_config(name, seeds[0])
     if "trl" in args.stages:
         run_trl_stage()
     if "ab" in args.stages:
         for seed in seeds[1:]:
-            run_pair(seed)
+            for name in ("nospec", "tlt"):
+                run_config(name, seed)
 
     # ------------------------------------------------------------------ report from everything cached
-    runs = [r for s in seeds for n in ("tlt", "nospec") if (r := _load(parts / f"{n}_seed{s}.json"))]
-    trl_run = _load(parts / "trl.json")
+    runs = paired([r for s in seeds for n in ("tlt", "nospec") if (r := _load(parts / f"{n}_seed{s}.json"))])
+    trl_run = _load(stage_dir(args, policy_dir, "trl") / "trl.json")
     summary: dict[str, Any] = {}
     for name in ("tlt", "nospec"):
         mine = [r for r in runs if r["name"] == name]

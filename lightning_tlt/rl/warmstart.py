@@ -179,7 +179,7 @@ def warm_start(
         # never cache (or hand back) a diverged policy: every run after it would start from NaN weights
         raise RuntimeError(
             f"warm start diverged: {task} {arch}/{size} at lr={lr} reached a non-finite loss or weights after "
-            f"{steps} SFT steps (loss {history[0]:.3f} -> {tail[-1]:.3f}); nothing was cached. Lower lr (the "
+            f"{len(history)} of {steps} SFT steps (loss {history[0]:.3f} -> {tail[-1]:.3f}); nothing was cached. Lower lr (the "
             "defaults suit the tiny and small sizes: try 5e-4 or less for 100m and larger)"
         )
     metadata = {
@@ -276,12 +276,29 @@ def _train(
         enable_checkpointing=False,
         enable_model_summary=False,
         enable_progress_bar=False,  # Lightning's bar would count epochs of a sampler: ours counts the SFT steps
-        callbacks=[_SFTProgress(settings["steps"], f"warm start SFT ({settings['task']})")] if progress else [],
+        callbacks=[_StopOnDivergence(), *([_SFTProgress(settings["steps"], f"warm start SFT ({settings['task']})")]
+                                          if progress else [])],
         num_sanity_val_steps=0,
     )
     trainer.fit(module, train_dataloaders=loader)
     trained: PreTrainedModel = module.model.cpu().float().eval()
     return trained, tokenizer, module.loss_history
+
+
+class _StopOnDivergence(Callback):
+    """Ends the SFT once its last ``window`` losses are all non-finite: the run is lost (the caller
+    raises and caches nothing), so the remaining steps would only cost time."""
+
+    def __init__(self, window: int = 5) -> None:
+        self.window = window
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        recent = list(getattr(pl_module, "loss_history", []))[-self.window :]
+        if len(recent) == self.window and not any(math.isfinite(x) for x in recent):
+            trainer.should_stop = True
 
 
 class _SFTProgress(Callback):

@@ -293,6 +293,8 @@ def test_a_diverged_warm_start_is_refused_and_not_cached(tmp_path) -> None:
     on the H200 a 100m warm start at the tiny sizes' lr reached NaN and every later run used it."""
     from lightning_tlt.rl.warmstart import warm_start
 
-    with pytest.raises(RuntimeError, match=r"warm start diverged: arithmetic qwen2/tiny at lr=1e\+30"):
-        warm_start("arithmetic", "qwen2", "tiny", steps=6, batch_size=4, lr=1e30, cache_dir=tmp_path, progress=False)
+    with pytest.raises(RuntimeError, match=r"warm start diverged: arithmetic qwen2/tiny at lr=1e\+30") as err:
+        warm_start("arithmetic", "qwen2", "tiny", steps=60, batch_size=4, lr=1e30, cache_dir=tmp_path, progress=False)
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+    done = int(str(err.value).split(" after ")[1].split(" of ")[0])
+    assert done < 20  # it stopped once five losses in a row were non-finite, not after all 60 steps
