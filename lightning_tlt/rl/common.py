@@ -204,12 +204,18 @@ def completion_forward(
         output_hidden_states=output_hidden_states,
         use_cache=False,
     )
-    logits = out.logits[:, :-1, :].float() / temperature  # (B, C, V)
-    logp_all = torch.log_softmax(logits, dim=-1)
+    hidden = out.hidden_states[-1] if output_hidden_states else None
+    raw = out.logits
+    del out
+    # (B, C, V) float32 copies are the largest tensors of a step (4 rows x 4,096 tokens x 151,936 is
+    # 10 GB each): one float copy divided in place, and the entropy a row at a time
+    logits = raw[:, :-1, :].float()
+    del raw
+    logp_all = torch.log_softmax(logits.div_(temperature), dim=-1)
+    del logits
     logps = logp_all.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)  # (B, C)
     with torch.no_grad():
-        entropies = -(logp_all.exp() * logp_all).sum(-1)  # (B, C)
-    hidden = out.hidden_states[-1] if output_hidden_states else None
+        entropies = torch.cat([-(row.exp() * row).sum(-1) for row in logp_all.detach().split(1)])  # (B, C)
     return PolicyForward(logps=logps, entropies=entropies, hidden_states=hidden)
 
 
