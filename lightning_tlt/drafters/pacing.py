@@ -76,10 +76,9 @@ class StallPacer:
         key = self.bucket(phase, active_rows)
         clean = self._clean.get(key)
         a = self.smoothing
-        observed = float("nan")
+        observed = float("nan")  # stays NaN for a step whose time held a capture: it measures nothing
         if captured:
-            if clean is not None:
-                self._since_clean[key] = self._since_clean.get(key, 0) + 1
+            pass
         elif not self._loaded:
             self._clean[key] = step_time_s if clean is None else (1 - a) * clean + a * step_time_s
             self._since_clean[key] = 0
@@ -102,7 +101,8 @@ class StallPacer:
 
     def queued(self, accepted: int, in_flight: int) -> None:
         """What the learner accepted of the last `plan` (fewer when its queue is full or its buffer
-        empty): the next step is loaded only by work that really runs beside it."""
+        empty): the next step is loaded only by work that really runs beside it (``accepted`` counts
+        too where the steps ran at once, on the CPU, and are no longer in flight)."""
         self._loaded = in_flight + accepted > 0
 
     def skip(self, in_flight: int) -> None:
