@@ -246,6 +246,41 @@ def graph_budget(args: argparse.Namespace, model: Any) -> dict[str, Any]:
     return out
 
 
+def kernel_profile(engine: RolloutEngine, args: argparse.Namespace, batch: int = 1, steps: int = 64) -> dict[str, Any]:
+    """Where a decode step's time goes at ``batch``: kernels (CUDA) or ops (CPU) per step, largest first.
+
+    Profiles one ``generate`` of ``steps`` tokens after a warm one (graphs captured, so on the GPU the
+    kernels are those a graph replays; CUPTI reports each kernel of a replay). Prefill is in the
+    window too, once: its share over 64 steps is small and is named by its own kernels.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = min(steps, args.new_tokens)
+    prompts = random_prompts(batch, args.prompt_len, args.vocab_size, seed=7)
+    engine_generate(engine, prompts, 4, seed=0)
+    cuda = engine.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        wall, _ = engine_generate(engine, prompts, steps, seed=1)
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        on_device = event.device_type == torch.autograd.DeviceType.CUDA
+        if on_device != cuda or (not cuda and event.cpu_parent is not None):
+            continue  # kernels on the GPU; top-level ops on the CPU
+        us = event.device_time if cuda else event.cpu_time_total
+        entry = totals.setdefault(event.name, [0.0, 0])
+        entry[0] += us
+        entry[1] += 1
+    device_us = sum(us for us, _ in totals.values())
+    top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:25]
+    return {
+        "batch": batch, "steps": steps, "wall_ms_per_step": wall / steps * 1e3,
+        "busy_ms_per_step": device_us / steps / 1e3, "what": "GPU kernels" if cuda else "CPU ops",
+        "top": [{"name": name[:160], "us_per_step": us / steps, "calls_per_step": n / steps,
+                 "share": us / device_us if device_us else None} for name, (us, n) in top],
+    }
+
+
 def summary_of(result: dict[str, Any]) -> dict[str, Any]:
     """The issue's summary keys, from the rows measured in this run."""
     rows = {r["batch"]: r for r in result["rows"] if "error" not in r}
@@ -273,7 +308,10 @@ def main() -> None:
     parser.add_argument("--hf-new-tokens", type=int, default=128)
     parser.add_argument("--hf-batches", default="1,128", help="batches HF generate is run at (it is slow)")
     parser.add_argument("--verify-vocab", type=int, default=151936, help="vocabulary of the verify-cost model")
-    parser.add_argument("--parts", default="rows,verify,long,budget", help="which parts to run")
+    parser.add_argument(
+        "--parts", default="rows,profile,verify,long,budget",
+        help="which parts to run (profile: the kernels of a batch-1 decode step; it needs rows' batch 1)",
+    )
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
@@ -283,7 +321,7 @@ def main() -> None:
     if args.smoke:
         args.batches, args.new_tokens, args.hf_new_tokens, args.prompt_len = "1,4", 16, 8, 8
         args.vocab_size = min(args.vocab_size, 128)
-        args.verify_vocab, args.hf_batches, args.parts = 128, "1,4", "rows,verify"
+        args.verify_vocab, args.hf_batches, args.parts = 128, "1,4", "rows,profile,verify"
     args.hf_batch_list = [int(b) for b in args.hf_batches.split(",")]
     parts = set(args.parts.split(","))
     batches = [int(b) for b in args.batches.split(",")]
@@ -336,6 +374,18 @@ def main() -> None:
         result["rows"].append(row)
         result["graphs"] = engine.graph_stats
         result["kv_cache_bytes"] = engine._cache.nbytes if engine._cache is not None else None
+        dump()
+    if "profile" in parts and 1 in batches:
+        try:
+            result["profile_b1"] = prof = kernel_profile(engine, args)
+            print(f"batch 1 profile: {prof['busy_ms_per_step']:.3f} ms of {prof['what']} per step "
+                  f"(wall {prof['wall_ms_per_step']:.3f} ms under the profiler)")
+            for item in prof["top"][:12]:
+                print(f"  {item['us_per_step']:8.1f} us  {item['calls_per_step']:5.1f}x  {item['share']:6.1%}  "
+                      f"{item['name'][:90]}")
+        except Exception as err:  # report, do not lose the figures above
+            print(f"profile: FAILED {err!r}", flush=True)
+            result["profile_error"] = repr(err)
         dump()
     try:
         result["sanity"] = sanity(model, engine, args.vocab_size, device) if "rows" in parts else {}
