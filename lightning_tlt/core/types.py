@@ -163,6 +163,9 @@ class SpeculativeConfig:
     measured tokens/s: speculation that does not pay switches itself off."""
     tuner_min_samples: int = 2
     """Steps of each arm per batch bucket before the tuner exploits what it measured."""
+    tuner_prune_margin: float | None = 0.05
+    """A longer draft is not explored while a shorter one's measured acceptance bounds it below this
+    fraction under the bucket's best arm (`DraftLengthTuner`); ``None`` explores every draft length."""
     draft_vocab_size: int | None = 32768
     """Rows of the EAGLE drafter's head: the most frequent tokens of the policy's own rollouts (the
     first ids before any are counted); ``None``: the whole vocabulary. Verification stays exact."""
@@ -186,6 +189,8 @@ class SpeculativeConfig:
             raise ValueError(f"tuner_epsilon must be in [0, 1], got {self.tuner_epsilon!r}")
         if self.tuner_min_samples < 0:
             raise ValueError(f"tuner_min_samples must be >= 0, got {self.tuner_min_samples!r}")
+        if self.tuner_prune_margin is not None and not 0.0 <= self.tuner_prune_margin < 1.0:
+            raise ValueError(f"tuner_prune_margin must be in [0, 1) or None, got {self.tuner_prune_margin!r}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size must be >= 1 or None, got {self.draft_vocab_size!r}")
 

@@ -189,7 +189,10 @@ class RolloutEngine:
         self._tuner: DraftLengthTuner | None = None
         if self._spec_on and spec.num_draft_tokens is None:
             arms = ((0,) if spec.plain_arm else ()) + spec.draft_candidates
-            self._tuner = DraftLengthTuner(arms, epsilon=spec.tuner_epsilon, min_samples=spec.tuner_min_samples)
+            self._tuner = DraftLengthTuner(
+                arms, epsilon=spec.tuner_epsilon, min_samples=spec.tuner_min_samples,
+                prune_margin=spec.tuner_prune_margin,
+            )
         self._vocab = DraftVocabulary(spec.draft_vocab_size, self.vocab_size)
         self._spec_step: SpeculativeStep | None = None
         self.metrics = SpeculationMetrics(max_draft_tokens=16)
