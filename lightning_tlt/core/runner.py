@@ -44,6 +44,7 @@ __all__ = [
     "rope_cos_sin",
     "apply_rope",
     "decoder_layer",
+    "FusedProjections",
     "eos_token_ids",
     "ForwardOutput",
     "ModelRunner",
@@ -165,6 +166,7 @@ def decoder_layer(
     kv_len: int | None = None,
     hole: Tensor | None = None,
     mask: Tensor | None = None,
+    fused: FusedProjections | None = None,
 ) -> Tensor:
     """One HF-named pre-norm decoder layer over a slot-indexed KV cache.
 
@@ -191,9 +193,16 @@ def decoder_layer(
     attn = layer.self_attn
     norm_in = getattr(layer, "input_layernorm", None)
     h = rms_norm(x, norm_in) if isinstance(norm_in, nn.Module) else x
-    q = _linear(h, attn.q_proj).view(bsz, q_len, num_heads, head_dim)
-    k = _linear(h, attn.k_proj).view(bsz, q_len, num_kv_heads, head_dim)
-    v = _linear(h, attn.v_proj).view(bsz, q_len, num_kv_heads, head_dim)
+    if fused is not None:  # one GEMM for q, k and v (the weights' copy `FusedProjections` keeps)
+        qkv = F.linear(h, fused.qkv_weight, fused.qkv_bias)
+        q_, k_, v_ = qkv.split((num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim), -1)
+        q = q_.reshape(bsz, q_len, num_heads, head_dim)
+        k = k_.reshape(bsz, q_len, num_kv_heads, head_dim)
+        v = v_.reshape(bsz, q_len, num_kv_heads, head_dim)
+    else:
+        q = _linear(h, attn.q_proj).view(bsz, q_len, num_heads, head_dim)
+        k = _linear(h, attn.k_proj).view(bsz, q_len, num_kv_heads, head_dim)
+        v = _linear(h, attn.v_proj).view(bsz, q_len, num_kv_heads, head_dim)
     if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head RMSNorm before RoPE
         q = rms_norm(q, attn.q_norm)
         k = rms_norm(k, attn.k_norm)
@@ -215,7 +224,56 @@ def decoder_layer(
     x = x + _linear(out, attn.o_proj)
     h = rms_norm(x, layer.post_attention_layernorm)
     mlp = layer.mlp
+    if fused is not None:  # one GEMM for gate and up
+        gate, up = F.linear(h, fused.gate_up_weight).chunk(2, -1)
+        return x + _linear(F.silu(gate) * up, mlp.down_proj)
     return x + _linear(F.silu(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)
+
+
+class FusedProjections:
+    """One layer's q|k|v and gate|up weights, concatenated: a copy the engine refreshes every call.
+
+    At batch 1 a decode step's GEMVs are bound by launches, not bytes (H200, 0.4 B: 174 launches of
+    about 4.7 us, each under 2 us of bytes; `docs/benchmarks.md`): one GEMM for q, k, v and one for
+    gate, up remove 3 of the 7 a layer. The price is a copy of those weights (about half the
+    layer's), which `sync` rewrites in place (the fused tensors keep their addresses, so captured
+    graphs stay valid). It copies unconditionally: a parameter's version counter is no signal of
+    change (the fused AdamW step updates parameters without advancing it), and the copy, once per
+    ``generate``, is a fraction of a millisecond on a GPU.
+    """
+
+    def __init__(self, layer: HFModule) -> None:
+        attn = layer.self_attn
+        self._layer = layer
+        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        if any(b is None for b in biases) and any(b is not None for b in biases):
+            raise ValueError("q, k and v projections must all have biases or none to be fused")
+        with torch.no_grad():
+            self.qkv_weight = torch.cat(self._qkv())
+            self.qkv_bias = torch.cat(biases) if biases[0] is not None else None
+            self.gate_up_weight = torch.cat(self._gate_up())
+
+    def _qkv(self) -> list[Tensor]:
+        attn = self._layer.self_attn
+        return [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+
+    def _gate_up(self) -> list[Tensor]:
+        return [self._layer.mlp.gate_proj.weight, self._layer.mlp.up_proj.weight]
+
+    def sync(self) -> None:
+        """Copy the layer's current weights into the fused tensors, in place (its parameters may
+        have been updated in place or replaced since)."""
+        attn = self._layer.self_attn
+        with torch.no_grad():
+            torch.cat(self._qkv(), out=self.qkv_weight)
+            if self.qkv_bias is not None:
+                torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], out=self.qkv_bias)
+            torch.cat(self._gate_up(), out=self.gate_up_weight)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.qkv_weight, self.gate_up_weight] + ([self.qkv_bias] if self.qkv_bias is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass
@@ -240,10 +298,12 @@ class ModelRunner:
             ``"auto"``: the Triton kernel on CUDA, masked SDPA on the CPU.
     """
 
-    def __init__(self, model: nn.Module, attention: str = "auto") -> None:
+    def __init__(self, model: nn.Module, attention: str = "auto", fuse_projections: bool = False) -> None:
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
         self.attention = attention
+        self.fuse_projections = fuse_projections
+        self._fused: list[FusedProjections] | None = None
         # an HF causal LM, whose submodules (model.layers, lm_head, ...) are reached by name
         self.model: Any = unwrap_model(model)
         config = self.model.config
@@ -281,6 +341,26 @@ class ModelRunner:
     @property
     def dtype(self) -> torch.dtype:
         return self.model.model.embed_tokens.weight.dtype
+
+    def sync_fused(self) -> None:
+        """With ``fuse_projections``: build the fused weights, or copy the policy's current ones into them.
+
+        Run on the host before a forward, never inside a captured graph or a compiled region: the
+        engine calls it at the start of every ``generate`` (the policy may have trained since); an
+        eager `forward` builds them on first use.
+        """
+        if not self.fuse_projections:
+            return
+        if self._fused is None or len(self._fused) != len(self.layers):
+            self._fused = [FusedProjections(layer) for layer in self.layers]
+        else:
+            for fused in self._fused:
+                fused.sync()
+
+    @property
+    def fused_bytes(self) -> int:
+        """Bytes of the fused weight copies (0 without ``fuse_projections``)."""
+        return sum(f.nbytes for f in self._fused or [])
 
     def embed(self, tokens: Tensor) -> Tensor:
         """``(B, q)`` token ids -> ``(B, q, H)`` embeddings (the policy's own table)."""
@@ -320,6 +400,13 @@ class ModelRunner:
             `ForwardOutput` with ``logits`` ``(B, q, V)``, ``hidden`` ``(B, q, H)``.
         """
         spec = self.spec
+        fused: list[FusedProjections] | list[None] = [None] * spec.num_layers
+        if self.fuse_projections and not torch.is_grad_enabled():  # a training forward keeps autograd's path
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+            if self._fused is None and not torch.compiler.is_compiling() and not capturing:
+                self.sync_fused()
+            assert self._fused is not None, "sync_fused() runs before a compiled forward"
+            fused = self._fused
         x = self.embed(tokens)  # (B, q, H)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling, x.dtype)
         layer_hidden: dict[int, Tensor] = {}
@@ -329,7 +416,7 @@ class ModelRunner:
             x = decoder_layer(
                 layer, x, cos, sin, positions, k_cache[i], v_cache[i],
                 num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-                prefill=prefill, attention=self.attention, kv_len=kv_len,
+                prefill=prefill, attention=self.attention, kv_len=kv_len, fused=fused[i],
             )
             if i + 1 in capture_layers and i + 1 < spec.num_layers:
                 layer_hidden[i + 1] = x

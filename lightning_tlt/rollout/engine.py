@@ -118,7 +118,8 @@ class RolloutEngine:
 
     Args:
         model: an HF causal LM (Llama, Qwen2, Qwen3 run on the fast runner; others through their
-            own forward). Wrappers with ``.module`` (DDP) are unwrapped. It is read, never copied.
+            own forward). Wrappers with ``.module`` (DDP) are unwrapped. It is read, never copied
+            (but see ``fuse_projections``).
         max_batch_size: slots (rows decoded together); ``None`` derives it from the memory budget.
         max_seq_len: longest prompt + completion a slot holds.
         memory_budget_bytes: KV-cache budget used to derive ``max_batch_size``; ``None`` takes a
@@ -131,6 +132,10 @@ class RolloutEngine:
         prefill_chunk_tokens: most (padded) prompt tokens prefilled in one forward.
         attention: the cached-attention backend (`lightning_tlt.core.attention.ATTENTION_BACKENDS`):
             ``"auto"`` is the Triton kernel on CUDA and masked SDPA on the CPU.
+        fuse_projections: run q, k, v as one GEMM and gate, up as one, over a copy of those weights
+            (about half of each layer's) that every ``generate`` first refreshes from the policy
+            (`lightning_tlt.core.runner.FusedProjections`): fewer launches per step where batch-1
+            decode is launch-bound. Off by default: the engine then reads the policy, never copies it.
     """
 
     def __init__(
@@ -147,6 +152,7 @@ class RolloutEngine:
         graph_memory_budget_bytes: int | None = None,
         prefill_chunk_tokens: int = 16384,
         attention: str = "auto",
+        fuse_projections: bool = False,
     ) -> None:
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len!r}")
@@ -172,7 +178,7 @@ class RolloutEngine:
         self._memory_budget = memory_budget_bytes
         self._max_batch_size = max_batch_size
         self._listeners: list[StepListener] = []
-        self._runner = ModelRunner(model, attention) if is_supported(model) else None
+        self._runner = ModelRunner(model, attention, fuse_projections) if is_supported(model) else None
         spec = self.speculative
         self._spec_on = spec.enabled and self._runner is not None
         if spec.enabled and self._runner is None:
@@ -411,6 +417,8 @@ class RolloutEngine:
         requests = [Request(p * num_samples + g, p, ids[p]) for p in range(len(ids)) for g in range(num_samples)]
         was_training = self._hf.training
         self._hf.eval()
+        if self._runner is not None:
+            self._runner.sync_fused()  # the policy may have trained since the last call
         run = _Run(bar=self._progress_bar(len(requests) * sampling.max_new_tokens))
         start = time.perf_counter()
         try:
