@@ -284,6 +284,7 @@ def kernel_profile(engine: RolloutEngine, args: argparse.Namespace, batch: int =
 def summary_of(result: dict[str, Any]) -> dict[str, Any]:
     """The issue's summary keys, from the rows measured in this run."""
     rows = {r["batch"]: r for r in result["rows"] if "error" not in r}
+    fused = {r["batch"]: r for r in result.get("fused_rows", []) if "error" not in r}
     verify = result.get("verify_cost", {})
     ratio = lambda b: (verify.get(f"b{b}") or {}).get("ratio")  # noqa: E731
     return {
@@ -294,6 +295,9 @@ def summary_of(result: dict[str, Any]) -> dict[str, Any]:
         "long_context_ratio_b32": result.get("long_context", {}).get("ratio"),
         "hf_ratio_b1": rows.get(1, {}).get("speedup_vs_hf"),
         "hf_ratio_b128": rows.get(128, {}).get("speedup_vs_hf"),
+        # fuse_projections=True, measured in the same run (not an issue key: the road to ms_per_step_b1)
+        "fused_ms_per_step_b1": fused.get(1, {}).get("engine_ms_per_step"),
+        "fused_tok_s_b128": fused.get(128, {}).get("engine_tokens_per_s"),
     }
 
 
@@ -309,8 +313,9 @@ def main() -> None:
     parser.add_argument("--hf-batches", default="1,128", help="batches HF generate is run at (it is slow)")
     parser.add_argument("--verify-vocab", type=int, default=151936, help="vocabulary of the verify-cost model")
     parser.add_argument(
-        "--parts", default="rows,profile,verify,long,budget",
-        help="which parts to run (profile: the kernels of a batch-1 decode step; it needs rows' batch 1)",
+        "--parts", default="rows,fused,profile,verify,long,budget",
+        help="which parts to run (fused: batches 1 and 128 with fuse_projections=True; profile: the kernels "
+        "of a batch-1 decode step, it needs rows' batch 1)",
     )
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--no-graphs", action="store_true")
@@ -321,7 +326,7 @@ def main() -> None:
     if args.smoke:
         args.batches, args.new_tokens, args.hf_new_tokens, args.prompt_len = "1,4", 16, 8, 8
         args.vocab_size = min(args.vocab_size, 128)
-        args.verify_vocab, args.hf_batches, args.parts = 128, "1,4", "rows,profile,verify"
+        args.verify_vocab, args.hf_batches, args.parts = 128, "1,4", "rows,fused,profile,verify"
     args.hf_batch_list = [int(b) for b in args.hf_batches.split(",")]
     parts = set(args.parts.split(","))
     batches = [int(b) for b in args.batches.split(",")]
@@ -375,6 +380,24 @@ def main() -> None:
         result["graphs"] = engine.graph_stats
         result["kv_cache_bytes"] = engine._cache.nbytes if engine._cache is not None else None
         dump()
+    if "fused" in parts:  # the same rows with q|k|v and gate|up as one GEMM each, side by side
+        fused_engine = RolloutEngine(
+            model, max_batch_size=max(batches), max_seq_len=max_seq, fuse_projections=True,
+            use_cuda_graphs=False if args.no_graphs else None, compile=False if args.no_compile else None,
+        )
+        quiet = argparse.Namespace(**{**vars(args), "skip_hf": True})
+        print("fuse_projections=True (q|k|v and gate|up as one GEMM each):", flush=True)
+        result["fused_rows"] = []
+        for batch in [b for b in batches if b in (1, 128)] or batches[:1]:
+            try:
+                row = bench_batch(fused_engine, model, batch, quiet, device, floor_ms)
+            except Exception as err:  # record and go on
+                row = {"batch": batch, "error": repr(err)}
+                print(f"fused, batch {batch}: FAILED {err!r}", flush=True)
+            result["fused_rows"].append(row)
+            dump()
+        result["fused_bytes"] = fused_engine._runner.fused_bytes if fused_engine._runner is not None else 0
+        del fused_engine
     if "profile" in parts and 1 in batches:
         try:
             result["profile_b1"] = prof = kernel_profile(engine, args)
