@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -225,7 +225,7 @@ def decoder_layer(
     h = rms_norm(x, layer.post_attention_layernorm)
     mlp = layer.mlp
     if fused is not None:  # one GEMM for gate and up
-        gate, up = F.linear(h, fused.gate_up_weight).chunk(2, -1)
+        gate, up = F.linear(h, fused.gate_up_weight, fused.gate_up_bias).chunk(2, -1)
         return x + _linear(F.silu(gate) * up, mlp.down_proj)
     return x + _linear(F.silu(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)
 
@@ -243,15 +243,17 @@ class FusedProjections:
     """
 
     def __init__(self, layer: HFModule) -> None:
-        attn = layer.self_attn
         self._layer = layer
-        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-        if any(b is None for b in biases) and any(b is not None for b in biases):
-            raise ValueError("q, k and v projections must all have biases or none to be fused")
+        for group, names in ((self._qkv_biases(), "q, k and v"), (self._gate_up_biases(), "gate and up")):
+            if any(b is None for b in group) and any(b is not None for b in group):
+                raise ValueError(f"{names} projections must all have biases or none to be fused")
         with torch.no_grad():
             self.qkv_weight = torch.cat(self._qkv())
-            self.qkv_bias = torch.cat(biases) if biases[0] is not None else None
+            self.qkv_bias = torch.cat(cast(list[Tensor], self._qkv_biases())) if self._qkv_biases()[0] is not None else None
             self.gate_up_weight = torch.cat(self._gate_up())
+            self.gate_up_bias = (  # Llama's mlp_bias
+                torch.cat(cast(list[Tensor], self._gate_up_biases())) if self._gate_up_biases()[0] is not None else None
+            )
 
     def _qkv(self) -> list[Tensor]:
         attn = self._layer.self_attn
@@ -260,19 +262,37 @@ class FusedProjections:
     def _gate_up(self) -> list[Tensor]:
         return [self._layer.mlp.gate_proj.weight, self._layer.mlp.up_proj.weight]
 
+    def _qkv_biases(self) -> list[Tensor | None]:
+        attn = self._layer.self_attn
+        return [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+
+    def _gate_up_biases(self) -> list[Tensor | None]:
+        mlp = self._layer.mlp
+        return [getattr(mlp.gate_proj, "bias", None), getattr(mlp.up_proj, "bias", None)]
+
+    def matches(self, layer: HFModule) -> bool:
+        """Whether these are ``layer``'s, and its weights still have their device, dtype and shapes."""
+        if layer is not self._layer:
+            return False
+        w = self._qkv()[0]
+        rows = sum(t.shape[0] for t in self._qkv()), sum(t.shape[0] for t in self._gate_up())
+        return (w.device == self.qkv_weight.device and w.dtype == self.qkv_weight.dtype
+                and (self.qkv_weight.shape[0], self.gate_up_weight.shape[0]) == rows)  # fmt: skip
+
     def sync(self) -> None:
         """Copy the layer's current weights into the fused tensors, in place (its parameters may
         have been updated in place or replaced since)."""
-        attn = self._layer.self_attn
         with torch.no_grad():
             torch.cat(self._qkv(), out=self.qkv_weight)
             if self.qkv_bias is not None:
-                torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], out=self.qkv_bias)
+                torch.cat(cast(list[Tensor], self._qkv_biases()), out=self.qkv_bias)
             torch.cat(self._gate_up(), out=self.gate_up_weight)
+            if self.gate_up_bias is not None:
+                torch.cat(cast(list[Tensor], self._gate_up_biases()), out=self.gate_up_bias)
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.qkv_weight, self.gate_up_weight] + ([self.qkv_bias] if self.qkv_bias is not None else [])
+        tensors = [t for t in (self.qkv_weight, self.qkv_bias, self.gate_up_weight, self.gate_up_bias) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -296,6 +316,10 @@ class ModelRunner:
             wrapped by DDP: ``.module`` is unwrapped).
         attention: the cached-attention backend (`lightning_tlt.core.attention.ATTENTION_BACKENDS`);
             ``"auto"``: the Triton kernel on CUDA, masked SDPA on the CPU.
+        fuse_projections: no-grad forwards run q|k|v and gate|up as one GEMM each over copies of
+            those weights (`FusedProjections`), built at the first such forward. The copies change
+            only in `sync_fused`: the engine calls it at every ``generate``; any other caller calls
+            it after the policy's weights change.
     """
 
     def __init__(self, model: nn.Module, attention: str = "auto", fuse_projections: bool = False) -> None:
@@ -351,8 +375,11 @@ class ModelRunner:
         """
         if not self.fuse_projections:
             return
-        if self._fused is None or len(self._fused) != len(self.layers):
-            self._fused = [FusedProjections(layer) for layer in self.layers]
+        layers = list(self.layers)
+        if self._fused is None or len(self._fused) != len(layers) or not all(
+            f.matches(layer) for f, layer in zip(self._fused, layers)
+        ):  # first use, or the policy moved (``.to()``, new layers): new tensors (graphs of the old ones are void)
+            self._fused = [FusedProjections(layer) for layer in layers]
         else:
             for fused in self._fused:
                 fused.sync()
@@ -402,10 +429,12 @@ class ModelRunner:
         spec = self.spec
         fused: list[FusedProjections] | list[None] = [None] * spec.num_layers
         if self.fuse_projections and not torch.is_grad_enabled():  # a training forward keeps autograd's path
-            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-            if self._fused is None and not torch.compiler.is_compiling() and not capturing:
+            if self._fused is None:  # never true in a compiled or captured step: the engine built them
+                capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+                if torch.compiler.is_compiling() or capturing:
+                    raise RuntimeError("ModelRunner.sync_fused() must run before a compiled or captured forward")
                 self.sync_fused()
-            assert self._fused is not None, "sync_fused() runs before a compiled forward"
+            assert self._fused is not None
             fused = self._fused
         x = self.embed(tokens)  # (B, q, H)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling, x.dtype)

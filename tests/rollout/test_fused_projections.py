@@ -114,3 +114,39 @@ def test_compiled_fused_engine_matches_eager() -> None:
     again = engine.generate(PROMPTS, GREEDY)
     assert again.completion_ids == RolloutEngine(model, max_seq_len=32, max_batch_size=2).generate(
         PROMPTS, GREEDY).completion_ids  # fmt: skip
+
+
+def test_a_policy_moved_to_another_dtype_gets_new_fused_weights() -> None:
+    model = build_model("qwen2", "tiny", seed=0)
+    engine = RolloutEngine(model, max_seq_len=32, max_batch_size=2, fuse_projections=True, compile=False)
+    engine.generate(PROMPTS, GREEDY)
+    runner = engine._runner
+    assert runner is not None and runner._fused is not None and runner._fused[0].qkv_weight.dtype == torch.float32
+    model.to(torch.float64)
+    runner.sync_fused()
+    assert runner._fused[0].matches(model.model.layers[0]) and runner._fused[0].qkv_weight.dtype == torch.float64
+    torch.testing.assert_close(runner._fused[0].gate_up_weight[: model.config.intermediate_size],
+                               model.model.layers[0].mlp.gate_proj.weight, rtol=0, atol=0)  # fmt: skip
+
+
+def test_mlp_biases_and_replaced_layers_are_fused_too() -> None:
+    """Llama's ``mlp_bias`` (gate and up biases), and a decoder layer swapped for another object."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, mlp_bias=True, attention_bias=True)  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate_proj.bias.normal_(0, 0.5)
+            layer.mlp.up_proj.bias.normal_(0, 0.5)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(2))
+    fused_runner = ModelRunner(model, fuse_projections=True)
+    torch.testing.assert_close(_forward_all(fused_runner, ids), _forward_all(ModelRunner(model), ids),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    other = LlamaForCausalLM(config).eval()
+    model.model.layers[1] = other.model.layers[1]  # a new layer object: its weights, not the old copy's
+    fused_runner.sync_fused()
+    torch.testing.assert_close(_forward_all(fused_runner, ids), _forward_all(ModelRunner(model), ids),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
