@@ -152,7 +152,7 @@ class DraftLengthTuner:
         self._next_slot = 0
         self.max_pending = max_pending
         if self._cuda:
-            self._host_counts = torch.zeros(max_pending, dtype=torch.float64, pin_memory=True)
+            self._host_counts = torch.zeros(max_pending, 2, dtype=torch.float64, pin_memory=True)  # tokens, rows
 
     def set_device(self, device: torch.device | str) -> None:
         """Time steps on ``device`` (CUDA events there; the host clock elsewhere)."""
@@ -160,7 +160,9 @@ class DraftLengthTuner:
         if cuda != self._cuda:
             self.flush()
             self._cuda = cuda
-            self._host_counts = torch.zeros(self.max_pending, dtype=torch.float64, pin_memory=True) if cuda else None
+            self._host_counts = (
+                torch.zeros(self.max_pending, 2, dtype=torch.float64, pin_memory=True) if cuda else None
+            )
 
     # ---------------------------------------------------------------- choosing
     def bucket(self, active_rows: int) -> int:
@@ -197,8 +199,8 @@ class DraftLengthTuner:
             return True
         bar = max(measured) * (1.0 - self.prune_margin)
         for j in self.candidates:
-            if not 0 < j < k:
-                continue
+            if not 0 < j < k or not self.may_win(bucket, j):
+                continue  # a ruled-out arm is not measured again: its old figures must not rule out others
             rate, accepted = self.value(bucket, j), self._accepted.get((bucket, j))
             if rate is None or not accepted:
                 continue
@@ -233,7 +235,7 @@ class DraftLengthTuner:
         self._started[key] = self._started.get(key, 0) + 1
         self._add(key[0], k, float(emitted_tokens), seconds, active_rows)
 
-    def _add(self, bucket: int, k: int, tokens: float, seconds: float, rows: int) -> None:
+    def _add(self, bucket: int, k: int, tokens: float, seconds: float, rows: float) -> None:
         key = (bucket, k)
         self._rewards.setdefault(key, deque(maxlen=self.window)).append(tokens / max(seconds, 1e-9))
         self._counts[key] = self._counts.get(key, 0) + 1
@@ -257,6 +259,11 @@ class DraftLengthTuner:
     def stop(self, timing: _Timing, emitted_tokens: Tensor | int | float, *, captured: bool = False) -> None:
         """End the step begun by `start`; ``emitted_tokens`` (all rows) may be a device tensor.
 
+        A tensor is read per row: its sum is the step's tokens, and its rows that emitted any are the
+        rows whose acceptance counts (rows that had finished, whose flags the engine reads a step
+        late, emit none and would drag the acceptance estimate down). A number counts
+        ``active_rows`` rows.
+
         ``captured``: the step also captured a CUDA graph (and compiled): its measured time is not the
         step's, so it is forgotten unscored (with a `cost_model` there is no measured time to spoil).
         """
@@ -269,21 +276,21 @@ class DraftLengthTuner:
                 seconds = self.cost_model(timing.k, timing.rows)
             else:
                 seconds = time.perf_counter() - timing.start_s
-            count = (
-                float(emitted_tokens.sum()) if isinstance(emitted_tokens, Tensor) else float(emitted_tokens)
-            )
-            self._add(timing.bucket, timing.k, count, seconds, timing.rows)
+            count, rows = self._tokens_and_rows(emitted_tokens, timing.rows)
+            self._add(timing.bucket, timing.k, float(count), seconds, float(rows))
             return
         assert self._host_counts is not None
         if len(self._pending) >= self.max_pending:
             self._harvest(self._pending.popleft(), wait=True)
         timing.slot = self._next_slot
         self._next_slot = (self._next_slot + 1) % self.max_pending
-        if isinstance(emitted_tokens, Tensor):
+        count, rows = self._tokens_and_rows(emitted_tokens, timing.rows)
+        if isinstance(count, Tensor) and isinstance(rows, Tensor):
             # device -> pinned host copy, asynchronous: read after end_event completes
-            self._host_counts[timing.slot].copy_(emitted_tokens.sum().to(torch.float64), non_blocking=True)
+            self._host_counts[timing.slot].copy_(torch.stack([count, rows]).to(torch.float64), non_blocking=True)
         else:
-            self._host_counts[timing.slot] = float(emitted_tokens)
+            self._host_counts[timing.slot, 0] = float(count)
+            self._host_counts[timing.slot, 1] = float(rows)
         timing.end_event = torch.cuda.Event(enable_timing=True)
         timing.end_event.record()
         self._pending.append(timing)
@@ -293,7 +300,15 @@ class DraftLengthTuner:
         if wait:
             timing.end_event.synchronize()
         ms = timing.start_event.elapsed_time(timing.end_event)
-        self._add(timing.bucket, timing.k, float(self._host_counts[timing.slot]), ms / 1000.0, timing.rows)
+        tokens, rows = self._host_counts[timing.slot].tolist()
+        self._add(timing.bucket, timing.k, tokens, ms / 1000.0, rows)
+
+    @staticmethod
+    def _tokens_and_rows(emitted: Tensor | int | float, active_rows: int) -> tuple[Tensor | float, Tensor | float]:
+        if isinstance(emitted, Tensor):
+            per_row = emitted.reshape(-1)
+            return per_row.sum().to(torch.float64), (per_row > 0).sum().to(torch.float64)
+        return float(emitted), float(active_rows)
 
     def poll(self) -> int:
         """Read the CUDA timings that have completed (in order, without waiting); returns how many."""

@@ -150,6 +150,27 @@ def test_a_drafter_that_improves_reopens_the_longer_arms() -> None:
     assert all(tuner.best(r) >= 4 for r in (1, 3, 10))
 
 
+def test_a_ruled_out_arm_never_rules_out_a_longer_one() -> None:
+    """Arm 4, ruled out by arm 2, is not measured again: its old figures must not keep 6 out for good."""
+    tuner = DraftLengthTuner((0, 2, 4, 6), epsilon=0.0, buckets=(1,))
+    tuner.record(1, 0, 1.0, 0.01)  # plain: 100 tok/s, the bar is 95
+    tuner.record(1, 4, 1.2, 1.2 / 50)  # 4: 50 tok/s, 0.2 accepted a step (alone, it would rule 6 out)
+    tuner.record(1, 2, 1.5, 1.5 / 65)  # 2: 65 tok/s, 0.5 accepted: 4 reaches at most 86.7, 6 at most 108.3
+    assert tuner.may_win(0, 2) and not tuner.may_win(0, 4)
+    assert tuner.may_win(0, 6)
+
+
+def test_acceptance_counts_only_the_rows_that_emitted() -> None:
+    """Rows the engine still counts but that had finished (flags read a step late) emit nothing."""
+    tuner = DraftLengthTuner((0, 2), epsilon=0.0, buckets=(4,))
+    timing = tuner.start(2, 3)
+    tuner.stop(timing, torch.tensor([3, 0, 0]))  # one live row took 2 drafts; two finished rows
+    assert list(tuner._accepted[(0, 2)]) == [2.0]
+    timing = tuner.start(2, 2)
+    tuner.stop(timing, 4)  # a plain count: every active row counts
+    assert list(tuner._accepted[(0, 2)]) == [2.0, 1.0]
+
+
 def test_the_bound_is_kept_in_the_state() -> None:
     a = DraftLengthTuner((0, 2, 4), epsilon=0.0, buckets=(1,))
     _simulate(a, 0.0, 8, rows_cycle=(1,))

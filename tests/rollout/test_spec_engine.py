@@ -135,8 +135,10 @@ def test_speculative_step_events_and_gate(tiny_qwen2: PreTrainedModel) -> None:
 
 
 def test_tuner_chooses_among_candidates(tiny_qwen2: PreTrainedModel) -> None:
+    # every arm explored: without the acceptance bound (on the CPU clock, k = 2 of this suffix drafter
+    # can measure slow enough to rule k = 4 out, which the tuner's own tests cover)
     config = SpeculativeConfig(method="suffix", num_draft_tokens=None, draft_candidates=(2, 4), threshold=4,
-                               hysteresis_steps=1, tuner_epsilon=0.5)
+                               hysteresis_steps=1, tuner_epsilon=0.5, tuner_prune_margin=None)
     engine = RolloutEngine(tiny_qwen2, max_seq_len=48, max_batch_size=4, speculative=config)
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=30, stop_token_ids=[])
     out = engine.generate(PROMPTS[:2], cfg, num_samples=2)
