@@ -22,8 +22,9 @@ a chain: the chance that draft position i is accepted never grows with i, so ``k
 most ``k / j`` times the tokens ``j`` drafts added, and a longer chain costs at least as much a step.
 From arm ``j``'s measured rate ``r_j`` and accepted drafts per row and step ``A_j``, arm ``k > j``
 reaches at most ``r_j (1 + A_j k / j) / (1 + A_j)``; when that is below ``1 - prune_margin`` of the
-bucket's best measured arm, ``k`` is skipped, by the first tries and by epsilon alike. Arm ``j``
-itself keeps being explored, so a drafter that gets better (co-training) reopens the longer arms.
+bucket's best measured arm, ``k`` is skipped, by the first tries and by epsilon alike. Only arms that
+may still win serve as ``j`` (a skipped arm is never measured again), and the shortest drafting arm
+is never skipped, so a drafter that gets better (co-training) reopens the longer arms.
 
 Timing never syncs the host with the device inside the decode loop: on CUDA, `start`/`stop` record
 an event pair and copy the emitted-token count into pinned host memory asynchronously; the pair is
