@@ -357,6 +357,12 @@ class StepRecorder(Callback):
             float(cotrain[0].last_metrics.get("drafter/train_time_s", 0.0)) if cotrain else 0.0
         )
         r["drafter_s"] = r["drafter_stall_s"] + (r["boundary_s"] if cotrain else 0.0)
+        # issue 14's figures on this workload: drafter steps in this RL step's stalls, the pacer's
+        # measured decode slowdown, the stall time there was
+        last = cotrain[0].last_metrics if cotrain else {}
+        r["drafter_steps"] = float(last.get("drafter/steps_this_rl_step", float("nan")))
+        r["decode_slowdown"] = float(last.get("drafter/decode_slowdown", float("nan")))
+        r["stall_time_available_s"] = float(last.get("drafter/stall_time_available_s", float("nan")))
         r["eagle_drafting"] = float(trainer.callback_metrics.get("drafter/eagle_drafting", float("nan")))
         self.steps.append(r)
         acc = f" accept {r['accept_len']:.2f}" if r["accept_len"] == r["accept_len"] else ""
@@ -577,6 +583,11 @@ def summarize(runs: list[dict[str, Any]], skip: int) -> dict[str, Any]:
         "accept_len_curve": [[s["accept_len"] for s in r["steps"]] for r in runs],
         "spec_fraction_curve": [[s["spec_fraction"] for s in r["steps"]] for r in runs],
         "eagle_drafting_curve": [[s["eagle_drafting"] for s in r["steps"]] for r in runs],
+        # co-training in the stalls (configuration a; NaN for b), as issue 14 reports it
+        # (runs cached before these were recorded have none: NaN)
+        **{name: statistics.fmean(s.get(key, math.nan) for s in steps) for name, key in (
+            ("drafter_steps_per_rl_step", "drafter_steps"), ("decode_slowdown_measured", "decode_slowdown"),
+            ("stall_time_available_s", "stall_time_available_s"))},
     }
 
 
@@ -760,6 +771,11 @@ def print_table(results: dict[str, Any]) -> None:
     for k, v in results["ratios"].items():
         print(f"  {k}: {v:.2f}x")
     print(f"  {results['no_accuracy_loss']['judgement']}")
+    a = s.get("tlt", {})
+    if a.get("drafter_steps_per_rl_step", math.nan) == a.get("drafter_steps_per_rl_step"):  # not NaN
+        print(f"  co-training (a): {a['drafter_steps_per_rl_step']:.1f} drafter steps per RL step in "
+              f"{a['stall_time_available_s']:.2f} s of stalls, measured decode slowdown "
+              f"{100 * a['decode_slowdown_measured']:.1f} %")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- main
