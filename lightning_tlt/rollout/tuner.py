@@ -193,34 +193,42 @@ class DraftLengthTuner:
         ``True`` until a shorter drafting arm has both a rate and an acceptance measured, and always
         for plain decoding and the shortest drafting arm.
         """
-        if k == 0 or self.prune_margin is None:
-            return True
+        return k in self._winnable(bucket)
+
+    def _winnable(self, bucket: int) -> list[int]:
+        """The arms of ``bucket`` that may still win, in one pass from the shortest: each arm is
+        bounded by the shorter drafting arms already found winnable (a ruled-out arm is not measured
+        again, so its old figures must not rule out others)."""
         measured = [v for c in self.candidates if (v := self.value(bucket, c)) is not None]
-        if not measured:
-            return True
+        if self.prune_margin is None or not measured:
+            return list(self.candidates)
         bar = max(measured) * (1.0 - self.prune_margin)
-        for j in self.candidates:
-            if not 0 < j < k or not self.may_win(bucket, j):
-                continue  # a ruled-out arm is not measured again: its old figures must not rule out others
-            rate, accepted = self.value(bucket, j), self._accepted.get((bucket, j))
-            if rate is None or not accepted:
-                continue
-            a = max(0.0, sum(accepted) / len(accepted))
-            if rate * (1.0 + a * k / j) / (1.0 + a) < bar:
-                return False
-        return True
+        winnable: list[int] = []
+        for k in self.candidates:
+            bounded_out = False
+            for j in winnable:
+                rate, accepted = self.value(bucket, j), self._accepted.get((bucket, j))
+                if j == 0 or rate is None or not accepted:
+                    continue
+                a = max(0.0, sum(accepted) / len(accepted))
+                if rate * (1.0 + a * k / j) / (1.0 + a) < bar:
+                    bounded_out = True
+                    break
+            if not bounded_out:
+                winnable.append(k)
+        return winnable
 
     def choose(self, active_rows: int) -> int:
         """The k for the next step of a batch of ``active_rows`` rows (0: a plain decode step)."""
         self.poll()
         bucket = self.bucket(active_rows)
-        for k in self.candidates:  # plain, then the shortest drafts first: each bounds the longer ones
-            if self._started.get((bucket, k), 0) < self.min_samples and self.may_win(bucket, k):
+        arms = self._winnable(bucket)
+        for k in arms:  # plain, then the shortest drafts first: each bounds the longer ones
+            if self._started.get((bucket, k), 0) < self.min_samples:
                 return k
         if self.epsilon > 0.0:
             draw = torch.rand((), generator=self._generator)
             if float(draw) < self.epsilon:
-                arms = [k for k in self.candidates if self.may_win(bucket, k)]
                 index = int(torch.randint(len(arms), (), generator=self._generator))
                 return arms[index]
         return self.best(active_rows)
