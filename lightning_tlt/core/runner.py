@@ -244,38 +244,38 @@ class FusedProjections:
 
     def __init__(self, layer: HFModule) -> None:
         self._layer = layer
-        for group, names in ((self._qkv_biases(), "q, k and v"), (self._gate_up_biases(), "gate and up")):
+        groups = self._groups()
+        for group, names in ((groups[1], "q, k and v"), (groups[3], "gate and up")):
             if any(b is None for b in group) and any(b is not None for b in group):
                 raise ValueError(f"{names} projections must all have biases or none to be fused")
-        with torch.no_grad():
-            self.qkv_weight = torch.cat(self._qkv())
-            self.qkv_bias = torch.cat(cast(list[Tensor], self._qkv_biases())) if self._qkv_biases()[0] is not None else None
-            self.gate_up_weight = torch.cat(self._gate_up())
-            self.gate_up_bias = (  # Llama's mlp_bias
-                torch.cat(cast(list[Tensor], self._gate_up_biases())) if self._gate_up_biases()[0] is not None else None
-            )
+        with torch.no_grad():  # biases: None where the layer has none (Llama's mlp_bias, Qwen2's q/k/v)
+            fused = [torch.cat(cast(list[Tensor], g)) if g[0] is not None else None for g in groups]
+        self.qkv_weight: Tensor = cast(Tensor, fused[0])
+        self.qkv_bias: Tensor | None = fused[1]
+        self.gate_up_weight: Tensor = cast(Tensor, fused[2])
+        self.gate_up_bias: Tensor | None = fused[3]
 
-    def _qkv(self) -> list[Tensor]:
-        attn = self._layer.self_attn
-        return [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+    def _groups(self) -> list[list[Tensor | None]]:
+        """The layer's current tensors, in the order of the fused ones: q|k|v weights, their
+        biases, gate|up weights, their biases."""
+        attn, mlp = self._layer.self_attn, self._layer.mlp
+        return [
+            [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight],
+            [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias],
+            [mlp.gate_proj.weight, mlp.up_proj.weight],
+            [getattr(mlp.gate_proj, "bias", None), getattr(mlp.up_proj, "bias", None)],
+        ]
 
-    def _gate_up(self) -> list[Tensor]:
-        return [self._layer.mlp.gate_proj.weight, self._layer.mlp.up_proj.weight]
-
-    def _qkv_biases(self) -> list[Tensor | None]:
-        attn = self._layer.self_attn
-        return [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
-
-    def _gate_up_biases(self) -> list[Tensor | None]:
-        mlp = self._layer.mlp
-        return [getattr(mlp.gate_proj, "bias", None), getattr(mlp.up_proj, "bias", None)]
+    def _fused(self) -> list[Tensor | None]:
+        return [self.qkv_weight, self.qkv_bias, self.gate_up_weight, self.gate_up_bias]
 
     def matches(self, layer: HFModule) -> bool:
         """Whether these are ``layer``'s, and its weights still have their device, dtype and shapes."""
         if layer is not self._layer:
             return False
-        w = self._qkv()[0]
-        rows = sum(t.shape[0] for t in self._qkv()), sum(t.shape[0] for t in self._gate_up())
+        qkv, _, gate_up, _ = self._groups()
+        w = cast(Tensor, qkv[0])
+        rows = sum(cast(Tensor, t).shape[0] for t in qkv), sum(cast(Tensor, t).shape[0] for t in gate_up)
         return (w.device == self.qkv_weight.device and w.dtype == self.qkv_weight.dtype
                 and (self.qkv_weight.shape[0], self.gate_up_weight.shape[0]) == rows)  # fmt: skip
 
@@ -283,17 +283,13 @@ class FusedProjections:
         """Copy the layer's current weights into the fused tensors, in place (its parameters may
         have been updated in place or replaced since)."""
         with torch.no_grad():
-            torch.cat(self._qkv(), out=self.qkv_weight)
-            if self.qkv_bias is not None:
-                torch.cat(cast(list[Tensor], self._qkv_biases()), out=self.qkv_bias)
-            torch.cat(self._gate_up(), out=self.gate_up_weight)
-            if self.gate_up_bias is not None:
-                torch.cat(cast(list[Tensor], self._gate_up_biases()), out=self.gate_up_bias)
+            for fused, group in zip(self._fused(), self._groups()):
+                if fused is not None:
+                    torch.cat(cast(list[Tensor], group), out=fused)
 
     @property
     def nbytes(self) -> int:
-        tensors = [t for t in (self.qkv_weight, self.qkv_bias, self.gate_up_weight, self.gate_up_bias) if t is not None]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self._fused() if t is not None)
 
 
 @dataclass
