@@ -768,8 +768,8 @@ def print_table(results: dict[str, Any]) -> None:
             f"{'trl':8} {t['step_s']:7.2f}   (first step {t['first_step_s']:.2f} s; mean of {timed}; "
             f"lengths p50 {t['lengths']['p50']:.0f} p99 {t['lengths']['p99']:.0f} max {t['lengths']['max']:.0f})"
         )
-    for k, v in results["ratios"].items():
-        print(f"  {k}: {v:.2f}x")
+    for k, v in results["ratios"].items():  # null where a configuration is not measured yet
+        print(f"  {k}: {'not measured yet' if v is None else f'{v:.2f}x'}")
     print(f"  {results['no_accuracy_loss']['judgement']}")
     a = s.get("tlt", {})
     if a.get("drafter_steps_per_rl_step", math.nan) == a.get("drafter_steps_per_rl_step"):  # not NaN
