@@ -11,6 +11,7 @@ and is exactly resumable: `state_dict` holds the data position and the sampling 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -411,6 +412,7 @@ class RolloutDataModule(pl.LightningDataModule):
             )
         if len(out) != len(rows) * g:
             raise RuntimeError(f"the engine returned {len(out)} completions for {len(rows)} prompts x {g}")
+        check_sampled_from_finite_logits(out, self._trainer_step())
         prompts = [rec["prompt"] for rec in records for _ in range(g)]
         texts = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
         conversational = not isinstance(prompts[0], str)
@@ -481,6 +483,25 @@ class RolloutDataModule(pl.LightningDataModule):
                 self._engine.load_adaptive_state_dict(adaptive)
             else:
                 self._adaptive_state = dict(adaptive)
+
+
+def check_sampled_from_finite_logits(out: RolloutOutput, step: int) -> None:
+    """Refuse completions sampled from logits that are not finite (a policy whose weights diverged):
+    their tokens are garbage, every row runs to the length cap, and training on them spreads the NaN.
+
+    A token's sampling log-probability is NaN (or ``+inf``) exactly when the logits it was drawn from
+    were not finite; the sum of a row's log-probabilities shows it (cheap: one pass on the host).
+
+    Raises:
+        FloatingPointError: naming the step and how many completions are affected.
+    """
+    bad = [i for i, lp in enumerate(out.logprobs) if lp and not sum(lp) < math.inf]
+    if bad:
+        raise FloatingPointError(
+            f"RL step {step}: {len(bad)} of {len(out.logprobs)} completions (first: #{bad[0]}) were sampled from "
+            f"logits that are not finite: the policy's weights are not finite (diverged, or overwritten); "
+            f"stopping before training on them"
+        )
 
 
 def check_task_names(dataset: Any, eval_dataset: Any = None, difficulty: int = 1) -> None:

@@ -11,8 +11,9 @@ hidden states (`PolicyFeatureSource`, implemented by `RLModule`).
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
@@ -186,6 +187,15 @@ class PolicyForward:
     """``(B, P + C, H)`` final hidden states, when asked for."""
 
 
+def gradient_norm(optimizer: Any) -> Tensor | None:
+    """The L2 norm of all gradients ``optimizer`` holds, in float32 (``None`` when it holds none)."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not grads:
+        return None
+    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+
+
 def completion_forward(
     model: nn.Module, batch: RolloutBatch, *, temperature: float, output_hidden_states: bool = False
 ) -> PolicyForward:
@@ -239,6 +249,11 @@ class RLModule(pl.LightningModule):
         self.automatic_optimization = False
         self.policy = resolve_policy(policy)
         self._applied_lr: float | None = None
+        self._grad_norm = math.nan
+        """The last optimizer step's gradient norm before clipping (NaN before the first)."""
+        self._nonfinite_steps = 0
+        """Optimizer steps skipped because the gradient was not finite (checkpointed)."""
+        self._nonfinite_in_a_row = 0
         self._features_requested = False
         self._policy_features = None
 
@@ -345,15 +360,67 @@ class RLModule(pl.LightningModule):
         self._finish_step()
 
     def _finish_step(self) -> None:
-        """Clip, step and schedule on the gradients accumulated since the last ``zero_grad``."""
+        """Clip, step and schedule on the gradients accumulated since the last ``zero_grad``.
+
+        A gradient that is not finite is never applied: the step is skipped (the weights and the
+        optimizer's state stay as they were; the step still counts, and the schedule advances), counted in ``train/nonfinite_grad_steps`` and warned about;
+        more than ``max_consecutive_nonfinite_steps`` in a row stop training with an error. Under a
+        loss scaler (``16-mixed``) the scaler skips such steps itself and this check stays out of its way.
+        """
         optimizer = self._optimizer()
-        if self.config.max_grad_norm > 0:
-            self.clip_gradients(optimizer, gradient_clip_val=self.config.max_grad_norm, gradient_clip_algorithm="norm")
         self._applied_lr = float(optimizer.param_groups[0]["lr"])
+        guarded = getattr(self.trainer.precision_plugin, "scaler", None) is None if self._trainer else True
+        norm = gradient_norm(optimizer) if guarded else None
+        if norm is not None:
+            norm = self._agree_norm(norm)
+            self._grad_norm = float(norm)  # one host sync per optimizer step
+        if norm is not None and not math.isfinite(self._grad_norm):
+            optimizer.zero_grad(set_to_none=True)
+            self._nonfinite_steps += 1
+            self._nonfinite_in_a_row += 1
+            limit = self.config.max_consecutive_nonfinite_steps
+            message = (
+                f"optimizer step {self.global_step}: the policy's gradient norm is {self._grad_norm} (not finite); "
+                f"the step was skipped and the weights are unchanged ({self._nonfinite_in_a_row} in a row, "
+                f"{self._nonfinite_steps} in all)"
+            )
+            if self._nonfinite_in_a_row > limit:
+                raise FloatingPointError(
+                    f"{message}: more than max_consecutive_nonfinite_steps={limit} in a row, training stops. "
+                    f"Look for a reward, advantage or loss that is not finite, or lower the learning rate"
+                )
+            rank_zero_warn(message)
+        else:
+            self._nonfinite_in_a_row = 0
+            if self.config.max_grad_norm > 0:
+                self.clip_gradients(optimizer, gradient_clip_val=self.config.max_grad_norm, gradient_clip_algorithm="norm")
+        # a skipped step still steps, with no gradient (AdamW leaves such parameters and their state
+        # alone): the optimizer step is counted (global_step, max_steps) and its hooks run as usual
         optimizer.step()
         scheduler: Any = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
+
+    def _agree_norm(self, norm: Tensor) -> Tensor:
+        """This rank's gradient norm, made NaN when any rank's is not finite: ranks must skip a step
+        together or apply it together (a sharded strategy's ranks each see part of the gradient)."""
+        trainer = self._trainer
+        if trainer is None or trainer.world_size <= 1:
+            return norm
+        bad = cast(Tensor, trainer.strategy.reduce((~torch.isfinite(norm)).float(), reduce_op="sum"))
+        return torch.where(bad > 0, torch.full_like(norm, math.nan), norm)
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["nonfinite_grad_steps"] = [self._nonfinite_steps, self._nonfinite_in_a_row]
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._nonfinite_steps, self._nonfinite_in_a_row = checkpoint.get("nonfinite_grad_steps", [0, 0])
+
+    def _step_metrics(self) -> dict[str, float]:
+        """What every RL step logs about its optimizer steps (TRL's ``grad_norm``, before clipping)."""
+        return {"grad_norm": self._grad_norm, "train/nonfinite_grad_steps": float(self._nonfinite_steps)}
 
     def _learning_rate(self) -> float:
         """The learning rate of the batch's last optimizer step (not the next step's, which is 0.0 at the end

@@ -55,6 +55,9 @@ class OptimConfig:
     """"linear" decays to 0 over the Trainer's ``max_steps`` (TRL's default) or "constant"."""
     warmup_steps: int = 0
     """Linear warm-up steps of the learning rate."""
+    max_consecutive_nonfinite_steps: int = 3
+    """Optimizer steps in a row whose gradient is not finite that are skipped (weights unchanged,
+    counted in ``train/nonfinite_grad_steps``) before training stops with an error; 0 stops at the first."""
 
     def _validate_optim(self) -> None:
         validate_adamw(self)
@@ -66,6 +69,11 @@ class OptimConfig:
             raise ValueError(f"lr_scheduler_type must be 'linear' or 'constant', got {self.lr_scheduler_type!r}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
+        if self.max_consecutive_nonfinite_steps < 0:
+            raise ValueError(
+                f"max_consecutive_nonfinite_steps must be >= 0 (0 stops at the first), "
+                f"got {self.max_consecutive_nonfinite_steps!r}"
+            )
 
 
 @dataclass

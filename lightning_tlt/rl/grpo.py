@@ -195,6 +195,7 @@ class GRPOModule(RLModule):
         metrics.update(totals)
         metrics["loss"] = mean_loss
         metrics["learning_rate"] = self._learning_rate()
+        metrics.update(self._step_metrics())
         self._log_metrics(metrics, len(batch))
         return mean_loss
 

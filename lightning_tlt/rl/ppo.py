@@ -191,6 +191,7 @@ class PPOModule(RLModule):
             "policy/entropy_avg": totals["policy/entropy"] / count,
             "val/ratio": totals["val/ratio"] / count,
             "learning_rate": self._learning_rate(),
+            **self._step_metrics(),
         })
         loss = (totals["loss/policy"] + cfg.vf_coef * totals["loss/value"]) / count
         metrics["loss"] = loss
@@ -199,9 +200,11 @@ class PPOModule(RLModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
         checkpoint["ppo_shuffle_generator"] = self._shuffle.get_state()
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
         if "ppo_shuffle_generator" in checkpoint:
             self._shuffle.set_state(checkpoint["ppo_shuffle_generator"])

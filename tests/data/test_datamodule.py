@@ -295,3 +295,14 @@ def test_unknown_task_names_are_refused_at_construction() -> None:
     top = get_task("countdown").max_difficulty
     with pytest.raises(ValueError, match=rf"countdown: difficulty must be an int in \[1, {top}\], got 0"):
         RolloutDataModule(ROWS, [length_reward], eval_dataset="countdown", difficulty=0)
+
+
+def test_rollouts_of_a_policy_with_nonfinite_weights_are_refused() -> None:
+    # a NaN weight makes every logit NaN: the engine still samples (garbage, to the length cap), and
+    # the sampling log-probabilities are NaN; the datamodule stops before those rows reach training
+    poisoned = build_model("qwen2", "tiny", seed=0)
+    with torch.no_grad():
+        poisoned.model.layers[0].mlp.down_proj.weight[0, 0] = math.nan
+    with pytest.raises(FloatingPointError, match=r"^RL step 0: 6 of 6 completions \(first: #0\) were sampled from "
+                                                 r"logits that are not finite: the policy's weights are not finite"):
+        make(poisoned, [length_reward]).rollout([0, 1])
