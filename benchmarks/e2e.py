@@ -303,6 +303,7 @@ class StepRecorder(Callback):
         self._train_start = 0.0
         self._tail_s = self._bulk_s = 0.0
         self._engine_hooked = False
+        self._finite_after_update = True
 
     def _on_event(self, event: StepEvent) -> None:
         if event.phase == "done":
@@ -364,6 +365,12 @@ class StepRecorder(Callback):
         r["decode_slowdown"] = float(last.get("drafter/decode_slowdown", float("nan")))
         r["stall_time_available_s"] = float(last.get("drafter/stall_time_available_s", float("nan")))
         r["eagle_drafting"] = float(trainer.callback_metrics.get("drafter/eagle_drafting", float("nan")))
+        # where a policy that stops being finite went wrong: in the RL update, or at the boundary after it
+        r["grad_norm"] = float(trainer.callback_metrics.get("grad_norm", float("nan")))
+        r["nonfinite_grad_steps"] = float(trainer.callback_metrics.get("train/nonfinite_grad_steps", float("nan")))
+        r["policy_finite_after_update"] = self._finite_after_update
+        r["policy_finite_after_boundary"] = policy_is_finite(pl_module)
+        r["drafter_metrics"] = {k: float(v) for k, v in last.items() if isinstance(v, (int, float))}
         self.steps.append(r)
         acc = f" accept {r['accept_len']:.2f}" if r["accept_len"] == r["accept_len"] else ""
         lp = percentiles([float(n) for n in lengths])
@@ -372,6 +379,9 @@ class StepRecorder(Callback):
             f"reward {r['reward_s']:.3f}, train {r['train_s']:.2f}, drafter {r['drafter_s']:.2f}) | len p50 "
             f"{lp['p50']:.0f} max {lp['max']:.0f} | correct {r['correctness']:.3f} | spec "
             f"{100 * r['spec_fraction']:.0f}%{acc}" + (" eagle" if r["eagle_drafting"] == 1.0 else "")
+            + f" | grad norm {r['grad_norm']:.3g}"
+            + ("" if r["policy_finite_after_boundary"] else
+               f" | POLICY NOT FINITE (after the update: {'finite' if r['policy_finite_after_update'] else 'not finite'})")
         )
         self._tail_s = self._bulk_s = 0.0
         self._last_end = now
@@ -384,9 +394,19 @@ class _TrainEndMarker(Callback):
     def __init__(self, recorder: StepRecorder) -> None:
         self.recorder = recorder
 
-    def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         _sync()
         self.recorder._train_end = time.perf_counter()
+        # after the RL update, before any other callback's boundary work (the drafter's)
+        self.recorder._finite_after_update = policy_is_finite(pl_module)
+
+
+def policy_is_finite(pl_module: pl.LightningModule) -> bool:
+    """Whether every policy weight is finite (one reduction per tensor, one host sync)."""
+    flags = [torch.isfinite(p).all() for p in pl_module.policy.parameters()]  # type: ignore[union-attr]
+    return bool(torch.stack(flags).all())
 
 
 def run_lightning(
@@ -452,7 +472,12 @@ def run_lightning(
     )
     log(f"{name} seed {seed}: up to {steps} steps, ends within {time_limit_s:.0f} s")
     t0 = time.perf_counter()
-    trainer.fit(module, datamodule=data)
+    error = None
+    try:
+        trainer.fit(module, datamodule=data)
+    except FloatingPointError as err:  # a policy that is no longer finite: keep the steps before it, and why
+        error = f"{type(err).__name__}: {err}"
+        log(f"{name} seed {seed} stopped: {error}")
     total = time.perf_counter() - t0
     graphs = getattr(data.engine, "graph_stats", None)
     run = {
@@ -461,6 +486,7 @@ def run_lightning(
         "total_s": total,
         "steps": recorder.steps,
         "graph_stats": dict(graphs) if isinstance(graphs, dict) else None,
+        "error": error,
     }
     del trainer, module, data, policy, callbacks, recorder
     _free()
@@ -583,6 +609,8 @@ def summarize(runs: list[dict[str, Any]], skip: int) -> dict[str, Any]:
         "accept_len_curve": [[s["accept_len"] for s in r["steps"]] for r in runs],
         "spec_fraction_curve": [[s["spec_fraction"] for s in r["steps"]] for r in runs],
         "eagle_drafting_curve": [[s["eagle_drafting"] for s in r["steps"]] for r in runs],
+        "grad_norm_curve": [[s.get("grad_norm", math.nan) for s in r["steps"]] for r in runs],
+        "errors": [r["error"] for r in runs if r.get("error")],
         # co-training in the stalls (configuration a; NaN for b), as issue 14 reports it
         # (runs cached before these were recorded have none: NaN)
         **{name: statistics.fmean(s.get(key, math.nan) for s in steps) for name, key in (
@@ -771,6 +799,9 @@ def print_table(results: dict[str, Any]) -> None:
     for k, v in results["ratios"].items():  # null where a configuration is not measured yet
         print(f"  {k}: {'not measured yet' if v is None else f'{v:.2f}x'}")
     print(f"  {results['no_accuracy_loss']['judgement']}")
+    for name in ("tlt", "nospec"):
+        for error in s.get(name, {}).get("errors", []):
+            print(f"  {name} STOPPED EARLY: {error}")
     a = s.get("tlt", {})
     if a.get("drafter_steps_per_rl_step", math.nan) == a.get("drafter_steps_per_rl_step"):  # not NaN
         print(f"  co-training (a): {a['drafter_steps_per_rl_step']:.1f} drafter steps per RL step in "
