@@ -652,6 +652,12 @@ def no_accuracy_loss(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]])
         diffs += d
     if len(diffs) < 2:
         return {"n": len(diffs), "judgement": "not enough paired steps"}
+    failed = [f"{r['name']} seed {r['seed']}" for r in (*a_runs, *b_runs) if r.get("error")]
+    if failed:
+        return {"n": len(diffs), "judgement": f"cannot be judged: {', '.join(failed)} stopped early (see its error)"}
+    solved = [x["correctness"] for r in (*a_runs, *b_runs) for x in r["steps"]]
+    if not any(solved):  # equal curves of zeros say nothing about accuracy
+        return {"n": len(diffs), "judgement": "cannot be judged: correctness is 0 at every step of a and b"}
     mean, se = statistics.fmean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
     verdict = (
         "no accuracy loss: within two standard errors of zero"

@@ -33,3 +33,33 @@ def test_a_smoke_run_leaves_the_checkout_clean() -> None:
     assert Path(wrote).parent == ROOT / "benchmarks" / "results" / "smoke"
     Path(wrote).unlink()
     assert git("status", "--porcelain", "--untracked-files=all", "benchmarks").stdout == before
+
+
+def _e2e() -> object:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import e2e
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return e2e
+
+
+def _run(name: str, correctness: list[float], error: str | None = None) -> dict[str, object]:
+    return {"name": name, "seed": 0, "steps": [{"correctness": c} for c in correctness], "error": error}
+
+
+def test_the_e2e_accuracy_judgement_refuses_what_cannot_show_a_loss() -> None:
+    e2e = _e2e()
+    judge = e2e.no_accuracy_loss  # type: ignore[attr-defined]
+    # curves of zeros: equal, and yet nothing was learned or lost
+    assert judge([_run("tlt", [0.0] * 5)], [_run("nospec", [0.0] * 5)])["judgement"] == (
+        "cannot be judged: correctness is 0 at every step of a and b"
+    )
+    # an arm stopped by a policy that is no longer finite
+    stopped = judge([_run("tlt", [0.1, 0.0], "FloatingPointError: ...")], [_run("nospec", [0.1, 0.2])])
+    assert stopped["judgement"] == "cannot be judged: tlt seed 0 stopped early (see its error)"
+    # a real comparison: a - b = (0, +0.1, -0.1, 0): mean 0, within 2 SE
+    fine = judge([_run("tlt", [0.2, 0.4, 0.2, 0.3])], [_run("nospec", [0.2, 0.3, 0.3, 0.3])])
+    assert fine["judgement"].startswith("no accuracy loss: within two standard errors of zero (a - b = +0.000")
+    lower = judge([_run("tlt", [0.1, 0.1, 0.1, 0.1])], [_run("nospec", [0.5, 0.5, 0.6, 0.5])])
+    assert lower["judgement"].startswith("accuracy LOSS: TLT lower by more than 2 SE")
