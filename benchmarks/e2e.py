@@ -2,7 +2,9 @@
 
 The paper's table in miniature (issue 15), measured in one process on one GPU, on the workload that
 looks like the paper's: ``countdown_search`` (Countdown with the depth-first search written out, a
-heavy tail of response lengths; difficulty 4: p50 about 500 tokens, p99 about 7,000, cut at 4,096)
+heavy tail of response lengths; difficulty 3: p50 about 270 tokens, p99 about 6,700 in the worked
+solutions, cut at 4,096; difficulty 4, p50 475, left the 0.5 B policy of a 180 s warm start at
+correctness 0 on the H200, with nothing for GRPO to learn)
 and the Qwen2.5-0.5B-shaped zoo policy (``0.5b``: 494 M parameters, a 151,936-row tied head):
 
 a. ``tlt``: the kit with speculation: the suffix drafter speculates first, the EAGLE drafter
@@ -242,9 +244,10 @@ def warm_drafter(
     )
     gen_s = time.perf_counter() - t0
     lengths = [len(c) for c in out.completion_ids]
+    correct = warm_correctness(args, data, tokenizer, out.completion_ids, args.drafter_samples)
     log(
         f"drafter warm start: {len(lengths)} rollouts of the warm policy in {gen_s:.0f} s, "
-        f"lengths {percentiles([float(n) for n in lengths])}"
+        f"lengths {percentiles([float(n) for n in lengths])}, correctness {correct:.3f} (what GRPO starts from)"
     )
     del engine
     t1 = time.perf_counter()
@@ -262,6 +265,7 @@ def warm_drafter(
         "recomputed": True,
         "rollouts": len(lengths),
         "rollout_lengths": percentiles([float(n) for n in lengths]),
+        "rollout_correctness": correct,
         "generate_s": gen_s,
         "train_steps": steps,
         "train_s": time.perf_counter() - t1,
@@ -274,6 +278,19 @@ def warm_drafter(
     del result, policy
     _free()
     return directory, info
+
+
+def warm_correctness(
+    args: argparse.Namespace, data: Any, tokenizer: Any, completion_ids: list[list[int]], samples: int
+) -> float:
+    """The task's correctness reward, averaged over completions of ``data``'s prompts (``samples`` each)."""
+    correctness = get_task(args.task).reward_funcs[0]
+    rows = [dict(zip(data.column_names, values)) for values in zip(*(data[c] for c in data.column_names))]
+    rows = [r for r in rows for _ in range(samples)]
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
+    scores = correctness([r["prompt"] for r in rows], texts, completion_ids=completion_ids, **columns)
+    return statistics.fmean(float(x) for x in scores if x is not None)
 
 
 # ---------------------------------------------------------------------------------------------- a and b
@@ -303,7 +320,8 @@ class StepRecorder(Callback):
         self._train_start = 0.0
         self._tail_s = self._bulk_s = 0.0
         self._engine_hooked = False
-        self._finite_after_update = True
+        self._nonfinite_before_update: list[str] = []
+        self._nonfinite_after_update: list[str] = []
 
     def _on_event(self, event: StepEvent) -> None:
         if event.phase == "done":
@@ -323,6 +341,8 @@ class StepRecorder(Callback):
         if not self._engine_hooked:  # the engine exists once the first batch was generated
             trainer.datamodule.add_listener(self._on_event)  # type: ignore[attr-defined]
             self._engine_hooked = True
+        _sync()
+        self._nonfinite_before_update = nonfinite_parameters(pl_module)  # after the rollout, before the update
         _sync()
         self._train_start = time.perf_counter()
 
@@ -368,8 +388,9 @@ class StepRecorder(Callback):
         # where a policy that stops being finite went wrong: in the RL update, or at the boundary after it
         r["grad_norm"] = float(trainer.callback_metrics.get("grad_norm", float("nan")))
         r["nonfinite_grad_steps"] = float(trainer.callback_metrics.get("train/nonfinite_grad_steps", float("nan")))
-        r["policy_finite_after_update"] = self._finite_after_update
-        r["policy_finite_after_boundary"] = policy_is_finite(pl_module)
+        r["nonfinite_before_update"] = self._nonfinite_before_update  # names of weights, first 5
+        r["nonfinite_after_update"] = self._nonfinite_after_update
+        r["nonfinite_after_boundary"] = nonfinite_parameters(pl_module)
         r["drafter_metrics"] = {k: float(v) for k, v in last.items() if isinstance(v, (int, float))}
         self.steps.append(r)
         acc = f" accept {r['accept_len']:.2f}" if r["accept_len"] == r["accept_len"] else ""
@@ -380,8 +401,9 @@ class StepRecorder(Callback):
             f"{lp['p50']:.0f} max {lp['max']:.0f} | correct {r['correctness']:.3f} | spec "
             f"{100 * r['spec_fraction']:.0f}%{acc}" + (" eagle" if r["eagle_drafting"] == 1.0 else "")
             + f" | grad norm {r['grad_norm']:.3g}"
-            + ("" if r["policy_finite_after_boundary"] else
-               f" | POLICY NOT FINITE (after the update: {'finite' if r['policy_finite_after_update'] else 'not finite'})")
+            + "".join(f" | NOT FINITE {when}: {', '.join(names)}" for when, names in (
+                ("after the rollout", r["nonfinite_before_update"]), ("after the update", r["nonfinite_after_update"]),
+                ("after the boundary", r["nonfinite_after_boundary"])) if names)
         )
         self._tail_s = self._bulk_s = 0.0
         self._last_end = now
@@ -400,13 +422,14 @@ class _TrainEndMarker(Callback):
         _sync()
         self.recorder._train_end = time.perf_counter()
         # after the RL update, before any other callback's boundary work (the drafter's)
-        self.recorder._finite_after_update = policy_is_finite(pl_module)
+        self.recorder._nonfinite_after_update = nonfinite_parameters(pl_module)
 
 
-def policy_is_finite(pl_module: pl.LightningModule) -> bool:
-    """Whether every policy weight is finite (one reduction per tensor, one host sync)."""
-    flags = [torch.isfinite(p).all() for p in pl_module.policy.parameters()]  # type: ignore[union-attr]
-    return bool(torch.stack(flags).all())
+def nonfinite_parameters(pl_module: pl.LightningModule, most: int = 5) -> list[str]:
+    """The names of (at most ``most``) policy weights that are not finite: one reduction per tensor, one sync."""
+    named = list(pl_module.policy.named_parameters())  # type: ignore[union-attr]
+    flags = torch.stack([torch.isfinite(p).all() for _, p in named]).tolist()
+    return [name for (name, _), ok in zip(named, flags) if not ok][:most]
 
 
 def run_lightning(
@@ -827,7 +850,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--budget-s", type=float, default=560.0, help="wall time of this call (units that do not fit wait)"
     )
     p.add_argument("--task", default="countdown_search")
-    p.add_argument("--difficulty", type=int, default=4)
+    p.add_argument(
+        "--difficulty", type=int, default=3, help="countdown_search level (4: correctness 0 after the warm start)"
+    )
     p.add_argument("--arch", default="qwen2")
     p.add_argument("--size", default="0.5b")
     p.add_argument("--sft-steps", type=int, default=600)

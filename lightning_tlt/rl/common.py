@@ -254,6 +254,9 @@ class RLModule(pl.LightningModule):
         self._nonfinite_steps = 0
         """Optimizer steps skipped because the gradient was not finite (checkpointed)."""
         self._nonfinite_in_a_row = 0
+        self._micro_losses: list[Tensor] = []
+        """The detached losses of the micro-batches since the last optimizer step (read only when its
+        gradient is not finite, to say which micro-batches were)."""
         self._features_requested = False
         self._policy_features = None
 
@@ -379,10 +382,15 @@ class RLModule(pl.LightningModule):
             self._nonfinite_steps += 1
             self._nonfinite_in_a_row += 1
             limit = self.config.max_consecutive_nonfinite_steps
+            losses = torch.stack(self._micro_losses).tolist() if self._micro_losses else []
+            where = (
+                f"; micro-batch losses not finite: {[i for i, x in enumerate(losses) if not math.isfinite(x)]} "
+                f"of {len(losses)}" if losses else ""
+            )
             message = (
                 f"optimizer step {self.global_step}: the policy's gradient norm is {self._grad_norm} (not finite); "
                 f"the step was skipped and the weights are unchanged ({self._nonfinite_in_a_row} in a row, "
-                f"{self._nonfinite_steps} in all)"
+                f"{self._nonfinite_steps} in all){where}"
             )
             if self._nonfinite_in_a_row > limit:
                 raise FloatingPointError(
@@ -394,6 +402,7 @@ class RLModule(pl.LightningModule):
             self._nonfinite_in_a_row = 0
             if self.config.max_grad_norm > 0:
                 self.clip_gradients(optimizer, gradient_clip_val=self.config.max_grad_norm, gradient_clip_algorithm="norm")
+        self._micro_losses = []
         # a skipped step still steps, with no gradient (AdamW leaves such parameters and their state
         # alone): the optimizer step is counted (global_step, max_steps) and its hooks run as usual
         optimizer.step()

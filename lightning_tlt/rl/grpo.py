@@ -183,6 +183,7 @@ class GRPOModule(RLModule):
                     old_logps[k] = logps
                 self.manual_backward(loss)
                 pass_loss = pass_loss + loss.detach()
+                self._micro_losses.append(loss.detach().float())
                 weight = 1.0 if whole else self.loss_mask(chunk).sum() / num_items.clamp(min=1.0)  # type: ignore[union-attr]
                 for name, v in stats.items():  # token means of the chunks, weighed by their tokens
                     totals[name] = totals.get(name, 0.0) + v * weight / passes

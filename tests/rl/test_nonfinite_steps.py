@@ -81,8 +81,10 @@ def test_a_nonfinite_gradient_is_skipped_counted_and_the_weights_stay(algorithm:
                                              num_mini_batches=1, max_grad_norm=1.0))  # fmt: skip
     poison = PoisonGradients({1})
     with pytest.warns(UserWarning, match=r"gradient norm is nan \(not finite\); the step was skipped and the weights "
-                                         r"are unchanged \(1 in a row, 1 in all\)"):  # fmt: skip
+                                         r"are unchanged \(1 in a row, 1 in all\)") as warned:  # fmt: skip
         trainer = fit(module, 3, poison, tmp_path)
+    if algorithm == "grpo":  # the loss was finite: the gradient went wrong in the backward (here, the hook)
+        assert any(str(w.message).endswith("; micro-batch losses not finite: [] of 1") for w in warned)
     assert trainer.global_step == 3  # the skipped step still counts: the schedule and max_steps stay aligned
     assert same(poison.before[1], poison.after[1])  # one optimizer step a batch: the poisoned one changes nothing
     # the healthy steps apply their (finite, nonzero) gradients
@@ -97,7 +99,8 @@ def test_too_many_nonfinite_steps_in_a_row_stop_training_with_a_clear_error(tmp_
     config = GRPOConfig(num_generations=2, max_completion_length=6, max_consecutive_nonfinite_steps=1)
     module = GRPOModule(build_model("qwen2", "tiny", seed=0), config)
     with pytest.warns(UserWarning, match="1 in a row"), pytest.raises(
-        FloatingPointError, match=r"optimizer step 1: .*2 in a row, 2 in all\): more than max_consecutive_nonfinite_steps=1"
+        FloatingPointError, match=r"optimizer step 1: .*2 in a row, 2 in all\); micro-batch losses not finite: \[\] of 1: "
+                                  r"more than max_consecutive_nonfinite_steps=1"
     ):
         fit(module, 4, PoisonGradients({0, 1, 2}), tmp_path)
 
