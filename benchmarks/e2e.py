@@ -148,7 +148,7 @@ def warm_start_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 DRAFTER_KEYS = ("drafter_prompts", "drafter_samples", "drafter_steps", "drafter_lr", "max_new")
-RUN_KEYS = ("steps", "prompts", "generations", "max_new", "lr", "micro_batch", "threshold", "cotrain_lr")
+RUN_KEYS = ("steps", "prompts", "generations", "max_new", "lr", "micro_batch", "threshold", "cotrain_lr", "engine")
 TRL_KEYS = ("trl_steps", "trl_budget_s", "prompts", "generations", "max_new", "lr", "micro_batch")
 
 
@@ -459,6 +459,7 @@ def run_lightning(
         speculative=speculative,
         seed=seed,
         max_batch_size=args.prompts * args.generations,
+        engine_kwargs=args.engine,
     )
     task = get_task(args.task)
     correctness_key = f"rewards/{task.reward_funcs[0].__name__}/mean"
@@ -841,6 +842,17 @@ def print_table(results: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------- main
 
 
+def engine_options(text: str) -> dict[str, Any]:
+    """``--engine``: a JSON object of `RolloutEngine` options."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON ({err}): {text!r}") from err
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object of engine options, e.g. '{{\"use_cuda_graphs\": false}}', got {text!r}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -888,6 +900,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--est-run-s", type=float, default=360.0, help="first guess of one run (a or b), loading and capture included"
     )
+    p.add_argument(
+        "--engine", type=engine_options, default={},
+        help='engine options of a and b as JSON, e.g. \'{"use_cuda_graphs": false}\' or \'{"fuse_projections": true}\'',
+    )  # fmt: skip
     p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "lightning_tlt"))
     p.add_argument("--out", default=None)
     p.add_argument("--plots", default=str(ROOT / "docs" / "img"))
