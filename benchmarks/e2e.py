@@ -283,14 +283,17 @@ def warm_drafter(
 def warm_correctness(
     args: argparse.Namespace, data: Any, tokenizer: Any, completion_ids: list[list[int]], samples: int
 ) -> float:
-    """The task's correctness reward, averaged over completions of ``data``'s prompts (``samples`` each)."""
-    correctness = get_task(args.task).reward_funcs[0]
-    rows = [dict(zip(data.column_names, values)) for values in zip(*(data[c] for c in data.column_names))]
-    rows = [r for r in rows for _ in range(samples)]
-    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
-    scores = correctness([r["prompt"] for r in rows], texts, completion_ids=completion_ids, **columns)
-    return statistics.fmean(float(x) for x in scores if x is not None)
+    """The task's correctness reward, averaged over completions of ``data``'s prompts (``samples`` each),
+    scored as the datamodule scores a rollout (`compute_rewards`)."""
+    from lightning_tlt.data.rewards import compute_rewards
+
+    rows = [r for r in data.to_list() for _ in range(samples)]
+    scores = compute_rewards(
+        get_task(args.task).reward_funcs[:1], prompts=[r["prompt"] for r in rows],
+        completions=tokenizer.batch_decode(completion_ids, skip_special_tokens=True), completion_ids=completion_ids,
+        columns={k: [r[k] for r in rows] for k in rows[0] if k != "prompt"},
+    ).rewards  # fmt: skip
+    return float(scores.nanmean())
 
 
 # ---------------------------------------------------------------------------------------------- a and b
@@ -343,8 +346,7 @@ class StepRecorder(Callback):
             self._engine_hooked = True
         _sync()
         self._nonfinite_before_update = nonfinite_parameters(pl_module)  # after the rollout, before the update
-        _sync()
-        self._train_start = time.perf_counter()
+        self._train_start = time.perf_counter()  # (the check's read-back waited for the device)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -366,9 +366,10 @@ class RLModule(pl.LightningModule):
         """Clip, step and schedule on the gradients accumulated since the last ``zero_grad``.
 
         A gradient that is not finite is never applied: the step is skipped (the weights and the
-        optimizer's state stay as they were; the step still counts, and the schedule advances), counted in ``train/nonfinite_grad_steps`` and warned about;
-        more than ``max_consecutive_nonfinite_steps`` in a row stop training with an error. Under a
-        loss scaler (``16-mixed``) the scaler skips such steps itself and this check stays out of its way.
+        optimizer's state stay as they were; the step still counts, and the schedule advances),
+        counted in ``train/nonfinite_grad_steps`` and warned about; more than
+        ``max_consecutive_nonfinite_steps`` in a row stop training with an error. Under a loss
+        scaler (``16-mixed``) the scaler skips such steps itself and this check stays out of its way.
         """
         optimizer = self._optimizer()
         self._applied_lr = float(optimizer.param_groups[0]["lr"])
