@@ -383,7 +383,8 @@ class DrafterCoTrainCallback(Callback):
             return
         self._window.stall_events += 1
         self._window.stall_time_s += event.step_time_s
-        n = self.pacer.plan(event.phase, event.active_rows, event.step_time_s, learner.in_flight(), event.captured)
+        n = self.pacer.plan(event.phase, event.active_rows, event.step_time_s, learner.in_flight(), event.captured,
+                            event.draft_tokens)
         if n:
             queued = learner.enqueue(n)
             self.pacer.queued(queued, learner.in_flight())

@@ -105,6 +105,9 @@ class StepEvent:
     """Tokens this step appended over all rows."""
     captured: bool = False
     """The step's time includes capturing a CUDA graph (and compiling): not the step's own cost."""
+    draft_tokens: int = 0
+    """Tokens drafted per row (``k``) of a speculative step; 0 for any other step. A step's cost
+    depends on it as much as on the rows: what compares step times keys on both."""
 
 
 StepListener = Callable[[StepEvent], None]

@@ -3,7 +3,9 @@
 The drafter trains on a side stream beside decoding; on a GPU the two contend for the same SMs and
 memory bandwidth, so what is bounded is the *effect* on decode, measured: the step time of decode
 steps that ran beside drafter work over the step time of comparable decode steps that did not
-(same phase, same bucket of active rows). The engine reports each step's host wall time
+(same phase, same draft length ``k``, same bucket of active rows: a speculative step of k = 8
+costs more than one of k = 2, and the tuner changes k from step to step, so comparing across k would
+measure the tuner's choices instead of the drafter). The engine reports each step's host wall time
 (`lightning_tlt.core.types.StepEvent.step_time_s`), which with its one-step-lagged host reads
 tracks the GPU step time.
 
@@ -49,8 +51,8 @@ class StallPacer:
     """Moving average of the observed relative slowdown of stall steps (0.05: 5 % slower)."""
     _credit: float = 0.0
     _loaded: bool = False  # drafter work may overlap the step the next event reports
-    _clean: dict[tuple[str, int], float] = field(default_factory=dict)
-    _since_clean: dict[tuple[str, int], int] = field(default_factory=dict)
+    _clean: dict[tuple[str, int, int], float] = field(default_factory=dict)
+    _since_clean: dict[tuple[str, int, int], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_per_event < 0:
@@ -62,18 +64,27 @@ class StallPacer:
         self.rate = min(self.rate, float(self.max_per_event))
 
     @staticmethod
-    def bucket(phase: str, active_rows: int) -> tuple[str, int]:
-        """Steps comparable in cost: same phase, active rows rounded up to a power of two."""
-        return phase, 1 << max(0, active_rows - 1).bit_length()
+    def bucket(phase: str, active_rows: int, draft_tokens: int = 0) -> tuple[str, int, int]:
+        """Steps comparable in cost: same phase and draft length, active rows rounded up to a power of two."""
+        return phase, draft_tokens, 1 << max(0, active_rows - 1).bit_length()
 
-    def plan(self, phase: str, active_rows: int, step_time_s: float, in_flight: int, captured: bool = False) -> int:
+    def plan(
+        self,
+        phase: str,
+        active_rows: int,
+        step_time_s: float,
+        in_flight: int,
+        captured: bool = False,
+        draft_tokens: int = 0,
+    ) -> int:
         """Steps to queue after a stall step that took ``step_time_s``, with ``in_flight`` steps
         still running on the side stream; ``captured``: that time includes a graph capture (or a
         compile), so it measures nothing (one such step as a clean baseline would hide every real
-        slowdown of its bucket; as a loaded one it would throw the rate to its floor)."""
+        slowdown of its bucket; as a loaded one it would throw the rate to its floor);
+        ``draft_tokens``: the step's ``k`` (`lightning_tlt.core.types.StepEvent.draft_tokens`)."""
         if self.max_slowdown is None:
             return self.max_per_event
-        key = self.bucket(phase, active_rows)
+        key = self.bucket(phase, active_rows, draft_tokens)
         clean = self._clean.get(key)
         a = self.smoothing
         observed = float("nan")  # stays NaN for a step whose time held a capture: it measures nothing

@@ -85,6 +85,7 @@ class _Pending:
     flags: Tensor  # (n,) bool, host side once ``event`` has completed
     emitted: Tensor | None  # (n,) long tokens each row appended (speculative steps)
     event: Any  # torch.cuda.Event | None
+    k: int = 0  # tokens drafted per row (speculative steps)
 
 
 @dataclass
@@ -756,7 +757,7 @@ class RolloutEngine:
         if timing is not None and self._tuner is not None:
             self._tuner.stop(timing, st.spec.emitted[:n], captured=self._captures != captures)
         self._speculative_steps += 1
-        run.pending.append(self._flags(active, "speculative"))
+        run.pending.append(self._flags(active, "speculative", k))
 
     def _host_speculative(self, run: _Run, key: SamplingKey, k: int) -> None:
         """A host drafter's step: it needs this step's tokens before the next draft, so it is synchronous."""
@@ -783,17 +784,17 @@ class RolloutEngine:
         if done:
             self._harvest(done, run.results)
         dt = time.perf_counter() - t0
-        self._account(run, "speculative", emitted, dt)
+        self._account(run, "speculative", emitted, dt, k)
         run.last = time.perf_counter()
 
-    def _flags(self, snapshot: list[Request], phase: str) -> _Pending:
+    def _flags(self, snapshot: list[Request], phase: str, k: int = 0) -> _Pending:
         """Start the copy of the step's finish flags (and emitted counts) to the host, without waiting."""
         st = self._state
         assert st is not None
         n = len(snapshot)
         emitted = st.spec.emitted[:n] if phase == "speculative" and st.spec is not None else None
         if st.finished.device.type != "cuda":
-            return _Pending(snapshot, phase, st.finished[:n].clone(), None if emitted is None else emitted.clone(), None)
+            return _Pending(snapshot, phase, st.finished[:n].clone(), None if emitted is None else emitted.clone(), None, k)
         flags_buf, emitted_buf = self._pinned[self._pinned_next]
         self._pinned_next ^= 1
         flags_buf[:n].copy_(st.finished[:n], non_blocking=True)
@@ -801,7 +802,7 @@ class RolloutEngine:
             emitted_buf[:n].copy_(emitted, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return _Pending(snapshot, phase, flags_buf[:n], None if emitted is None else emitted_buf[:n], event)
+        return _Pending(snapshot, phase, flags_buf[:n], None if emitted is None else emitted_buf[:n], event, k)
 
     def _process(self, done: _Pending, run: _Run) -> None:
         """Harvest the rows a finished step ended, and tell the listeners about that step."""
@@ -816,10 +817,10 @@ class RolloutEngine:
             slot_of = {r.index: s for s, r in enumerate(self._scheduler.active)}
             self._harvest([slot_of[r.index] for r in ended], run.results)
         now = time.perf_counter()
-        self._account(run, done.phase, new_tokens, now - run.last)
+        self._account(run, done.phase, new_tokens, now - run.last, done.k)
         run.last = now
 
-    def _account(self, run: _Run, phase: str, new_tokens: int, dt: float) -> None:
+    def _account(self, run: _Run, phase: str, new_tokens: int, dt: float, k: int = 0) -> None:
         sched = self._scheduler
         run.timers.add(phase, dt, new_tokens)
         run.steps += 1
@@ -828,7 +829,7 @@ class RolloutEngine:
             run.bar.update(new_tokens)
         captured, self._captures_told = self._captures != self._captures_told, self._captures  # within dt
         self._emit(StepEvent(run.steps, phase, sched.num_active, sched.num_queued, sched.num_slots, dt,  # type: ignore[arg-type]
-                             new_tokens=new_tokens, captured=captured))
+                             new_tokens=new_tokens, captured=captured, draft_tokens=k))
 
     def _harvest(self, done_slots: list[int], results: Results) -> None:
         """Read finished rows' completions, free their slots and repack the active rows."""

@@ -198,6 +198,24 @@ def test_pacer_slows_down_when_decode_gets_slower() -> None:
         StallPacer(3, 0.0)
 
 
+def test_pacer_compares_speculative_steps_of_one_draft_length() -> None:
+    """The tuner switches k between steps, and a k = 8 step costs 1.6x a k = 2 one: told each step's k,
+    the pacer measures the drafter's own cost (0.1 % a step in flight) and trains at its most; comparing
+    across k (the bucket before StepEvent.draft_tokens) measures the k mix instead, by several times the cap."""
+
+    def run(tell_k: bool) -> StallPacer:
+        pacer, in_flight = StallPacer(max_per_event=4, max_slowdown=0.05), 0
+        for i in range(600):
+            k = (2, 8, 8, 2, 4)[i % 5]
+            time_s = 0.004 * (1 + k / 8) * (1 + 0.001 * in_flight)
+            in_flight = pacer.plan("speculative", 3, time_s, in_flight, draft_tokens=k if tell_k else 0)
+        return pacer
+
+    told, blind = run(True), run(False)
+    assert told.rate == 4.0 and 0 <= told.slowdown < 0.01, (told.rate, told.slowdown)
+    assert abs(blind.slowdown) > 0.03, blind.slowdown  # measured: -0.063, a k mix read as a speed-up
+
+
 def test_pacer_probes_a_clean_baseline_first() -> None:
     pacer = StallPacer(max_per_event=2, max_slowdown=0.05, probe_every=8)
     assert pacer.plan("decode", 5, 0.002, 0) == 0  # no clean step of bucket 8 measured yet: measure one

@@ -126,6 +126,8 @@ def test_speculative_step_events_and_gate(tiny_qwen2: PreTrainedModel) -> None:
     assert out.completion_ids == plain.completion_ids
     phases = [e.phase for e in events]
     assert phases[-1] == "done" and "speculative" in phases and "decode" in phases
+    assert {e.draft_tokens for e in events if e.phase == "speculative"} == {3}  # each step says its k
+    assert {e.draft_tokens for e in events if e.phase != "speculative"} == {0}
     first_spec = phases.index("speculative")
     assert all(e.active_rows <= 4 for e in events)
     decode_before = [e for e in events[:first_spec] if e.phase == "decode"]
