@@ -7,25 +7,22 @@ from typing import Any
 import torch
 
 
-def graph_replay_ms(
-    engine: Any, batch: int, phase: str = "decode", tokens_per_row: int = 1, width: int | None = None
-) -> float | None:
+def graph_replay_ms(engine: Any, batch: int, phase: str = "decode", tokens_per_row: int = 1) -> float | None:
     """GPU time of one replay of an engine's captured ``phase`` graph at ``batch``'s bucket (no host loop).
 
     Replays after a finished ``generate``: every row is finished, so the step only rewrites junk
-    (with each row's KV length as the call left it). ``width``: for "spec" graphs, the catch-up
-    block's width (the last element of the profile's key); ``None``: the widest captured.
+    (with each row's KV length as the call left it). A "spec" step's catch-up block is always the
+    engine's widest, so its graph is one per bucket and ``k``.
     """
     graphs = engine._graphs
     if graphs is None or not graphs.enabled or engine.device.type != "cuda":
         return None
     bucket = graphs.bucket(batch)
-    found = [(p, g) for p, g in graphs._graphs.items()
-             if p.phase == phase and p.batch == bucket and p.tokens_per_row == tokens_per_row
-             and (width is None or phase != "spec" or p.extra[-1] == width)]
+    found = [g for p, g in graphs._graphs.items()
+             if p.phase == phase and p.batch == bucket and p.tokens_per_row == tokens_per_row]
     if not found:
         return None
-    graph = max(found, key=lambda pg: pg[0].extra[-1] if phase == "spec" else 0)[1]
+    graph = found[0]
     for _ in range(3):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

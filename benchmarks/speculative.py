@@ -148,7 +148,7 @@ def step_cost(policy: Any, drafter: Any, prompt: list[int], longest: int, batche
         for engine in (plain, fixed, suffix):
             engine.generate([prompt], sampling, num_samples=batch, generator=torch.Generator().manual_seed(0))
         decode = graph_replay_ms(plain, batch, "decode", 1)
-        speculative = graph_replay_ms(fixed, batch, "spec", k + 1, width=k + 1)
+        speculative = graph_replay_ms(fixed, batch, "spec", k + 1)
         verify = graph_replay_ms(suffix, batch, "verify", k + 1)  # the policy's forward of k + 1 tokens alone
         out[f"b{batch}"] = {"decode_ms": decode, f"spec_k{k}_ms": speculative, f"verify{k + 1}_ms": verify,
                             "ratio": speculative / decode if decode and speculative else None,

@@ -35,7 +35,7 @@ def allow_recompiles(limit: int = RECOMPILE_LIMIT) -> None:
 
     Even ``dynamic=True`` specialises on batch 1, on sizes equal to another size, on ``None``
     inputs and on each sampling key: a speculating engine meets a dozen versions of a step over
-    its batch buckets, draft lengths and catch-up widths. At torch's default of 8 the ninth raises
+    its batch buckets, draft lengths and sampling keys. At torch's default of 8 the ninth raises
     (``fullgraph=True``) and the engine would then run uncompiled for the rest of its life.
     """
     import torch._dynamo.config as dynamo_config
