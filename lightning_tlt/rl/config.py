@@ -121,12 +121,22 @@ class GRPOConfig(OptimConfig):
     to its own longest completion, into one optimizer step with the loss of the whole batch. ``None``:
     the whole batch in one forward. Long completions at a large vocabulary need it (the logits of
     64 rows of 4,096 tokens at 151,936 entries are 80 GB in bf16)."""
+    micro_batch_tokens: int | None = None
+    """Most padded tokens per forward/backward (rows x (longest prompt + longest completion) of the
+    micro-batch; the kit's, as verl's dynamic batch size ``ppo_max_token_len_per_gpu``): rows, sorted by
+    completion length, are packed greedily up to it, and a row longer than it goes alone;
+    ``micro_batch_size``, when also set, caps the rows. In a long-tail batch most rows are short: on
+    the H200, 64 rows of the 0.5 B e2e batch in micro-batches of 4 rows made 16 forward/backward
+    passes, 12 of them under 200 tokens a row, and the update spent more time launching kernels than
+    running them (1.34 s of wall time for 0.74 s of GPU work). ``None``: rows only."""
 
     def __post_init__(self) -> None:
         self._validate_optim()
         self.scale_rewards = normalize_scale_rewards(self.scale_rewards)  # type: ignore[assignment]
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1 or None, got {self.micro_batch_size!r}")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be >= 1 or None, got {self.micro_batch_tokens!r}")
         if self.num_generations < 2:
             raise ValueError(
                 f"num_generations must be >= 2 (GRPO's advantages compare completions of one prompt), "

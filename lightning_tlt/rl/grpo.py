@@ -143,13 +143,21 @@ class GRPOModule(RLModule):
 
     def micro_batches(self, batch: RolloutBatch) -> list[tuple[Tensor, RolloutBatch]]:
         """``(rows, micro-batch)`` pairs: ``batch``'s rows by completion length, cut into
-        `GRPOConfig.micro_batch_size` rows, each trimmed to its own longest prompt and completion (so
-        the long tail is padded with itself only). The whole batch when unset or not smaller."""
-        size = self.config.micro_batch_size
-        if size is None or size >= len(batch):
-            return [(torch.arange(len(batch)), batch)]
+        `GRPOConfig.micro_batch_size` rows or packed up to `GRPOConfig.micro_batch_tokens` padded
+        tokens, each trimmed to its own longest prompt and completion (so the long tail is padded
+        with itself only). The whole batch when neither is set or it fits."""
+        size, budget = self.config.micro_batch_size, self.config.micro_batch_tokens
         order = torch.argsort(batch.completion_mask.sum(1), stable=True)
-        return [(rows, trim_padding(batch.select(rows))) for rows in order.split(size)]
+        if budget is None:
+            groups = list(order.split(size)) if size is not None and size < len(batch) else [order]
+        else:
+            runs = pack_rows(
+                batch.prompt_mask.sum(1)[order].tolist(), batch.completion_mask.sum(1)[order].tolist(), budget, size
+            )
+            groups = [order[run] for run in runs]
+        if len(groups) == 1:
+            return [(torch.arange(len(batch)), batch)]
+        return [(rows, trim_padding(batch.select(rows))) for rows in groups]
 
     @override
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> Tensor:
@@ -199,6 +207,23 @@ class GRPOModule(RLModule):
         metrics.update(self._step_metrics())
         self._log_metrics(metrics, len(batch))
         return mean_loss
+
+
+def pack_rows(prompt_lens: list[int], completion_lens: list[int], budget: int, max_rows: int | None) -> list[slice]:
+    """Consecutive runs of rows (in the given order) whose padded size, rows x (longest prompt +
+    longest completion), stays within ``budget`` tokens and ``max_rows`` rows; a row larger than
+    ``budget`` is a run of its own."""
+    runs: list[slice] = []
+    start, prompt, completion = 0, 0, 0
+    for i, (p, c) in enumerate(zip(prompt_lens, completion_lens)):
+        p, c = max(prompt, p), max(completion, c, 1)
+        rows = i - start + 1
+        if rows > 1 and (rows * (max(p, 1) + c) > budget or (max_rows is not None and rows > max_rows)):
+            runs.append(slice(start, i))
+            start, p, c = i, prompt_lens[i], max(completion_lens[i], 1)
+        prompt, completion = p, c
+    runs.append(slice(start, len(prompt_lens)))
+    return runs
 
 
 def trim_padding(batch: RolloutBatch) -> RolloutBatch:

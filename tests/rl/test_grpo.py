@@ -136,27 +136,31 @@ def test_harvest_features_for_drafter_cotraining(tmp_path: Path) -> None:
 def test_micro_batches_give_the_whole_batch_update(tmp_path: Path, loss_type: str) -> None:
     """Gradients accumulated over trimmed micro-batches (3 rows of 8) equal one whole-batch step."""
     runs = {}
-    for micro in (None, 3):
-        module, data = make(seed=2, loss_type=loss_type, num_iterations=2, beta=0.04, micro_batch_size=micro)
+    for micro in (None, 3, "tokens"):
+        split = {"micro_batch_tokens": 1} if micro == "tokens" else {"micro_batch_size": micro}  # tokens: a row each
+        module, data = make(seed=2, loss_type=loss_type, num_iterations=2, beta=0.04, **split)
         module.request_policy_features(True)
         rec, grads = Record(), Grads()
         trainer(tmp_path / str(micro), 2, [rec, grads]).fit(module, datamodule=data)
         assert len(rec.batches) == 1 and len(grads.steps) == 2  # two optimizer steps on one rollout batch
         runs[micro] = (module, rec, grads, [r for r in read_csv(tmp_path / str(micro)) if r.get("loss")])
-    (whole, rec_whole, grads_whole, rows_whole), (micro, rec_micro, grads_micro, rows_micro) = runs[None], runs[3]
-    assert torch.equal(rec_whole.batches[0], rec_micro.batches[0])  # the same rollout, 8 rows: chunks of 3, 3, 2
-    assert len(micro.micro_batches(_batch_of(8))) == 3
-    # the gradients of the first step (on-policy) are the whole batch's; Adam turns float noise in
-    # near-zero gradients into full-size steps, so the weights are not compared
-    for name, value in grads_whole.steps[0].items():
-        torch.testing.assert_close(grads_micro.steps[0][name], value, atol=1e-7, rtol=1e-4, msg=name)
-    for key in ("loss", "kl", "entropy", "clip_ratio/region_mean"):
-        assert float(rows_micro[-1][key]) == pytest.approx(float(rows_whole[-1][key]), rel=1e-4, abs=1e-6), key
-    a, b = whole.take_policy_features(), micro.take_policy_features()
-    assert a is not None and b is not None
-    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.completion_mask, b.completion_mask)
-    real = a.attention_mask.bool()
-    torch.testing.assert_close(b.hidden_states[real], a.hidden_states[real], atol=1e-5, rtol=1e-4)
+    whole, rec_whole, grads_whole, rows_whole = runs[None]
+    assert len(runs[3][0].micro_batches(_batch_of(8))) == 3  # 8 rows: chunks of 3, 3, 2
+    assert len(runs["tokens"][0].micro_batches(_batch_of(8))) == 8  # a budget of 1 token: a row each
+    a = whole.take_policy_features()
+    for micro, rec_micro, grads_micro, rows_micro in (runs[3], runs["tokens"]):
+        assert torch.equal(rec_whole.batches[0], rec_micro.batches[0])  # the same rollout
+        # the gradients of the first step (on-policy) are the whole batch's; Adam turns float noise in
+        # near-zero gradients into full-size steps, so the weights are not compared
+        for name, value in grads_whole.steps[0].items():
+            torch.testing.assert_close(grads_micro.steps[0][name], value, atol=1e-7, rtol=1e-4, msg=name)
+        for key in ("loss", "kl", "entropy", "clip_ratio/region_mean"):
+            assert float(rows_micro[-1][key]) == pytest.approx(float(rows_whole[-1][key]), rel=1e-4, abs=1e-6), key
+        b = micro.take_policy_features()
+        assert a is not None and b is not None
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.completion_mask, b.completion_mask)
+        real = a.attention_mask.bool()
+        torch.testing.assert_close(b.hidden_states[real], a.hidden_states[real], atol=1e-5, rtol=1e-4)
 
 
 def _batch_of(data_rows: int) -> RolloutBatch:
@@ -183,6 +187,23 @@ def test_micro_batches_are_trimmed() -> None:
         assert torch.equal(chunk.completion_mask.sum(1), batch.completion_mask.sum(1)[rows])
     with pytest.raises(ValueError, match="micro_batch_size must be >= 1 or None, got 0"):
         GRPOConfig(micro_batch_size=0)
+
+
+def test_micro_batches_packed_by_a_token_budget() -> None:
+    batch = _batch_of(8)  # prompts of 3 tokens, completions of 8 .. 1 tokens
+    module, _ = make(micro_batch_tokens=20)
+    pairs = module.micro_batches(batch)
+    # by hand, shortest first: 1 x 4, 2 x 5, 3 x 6 = 18 (a 4th: 4 x 7 = 28 > 20); 1 x 7, 2 x 8 = 16 (3 x 9 = 27);
+    # 1 x 9, 2 x 10 = 20; 1 x 11
+    assert [rows.tolist() for rows, _ in pairs] == [[7, 6, 5], [4, 3], [2, 1], [0]]
+    assert [len(rows) * c.input_ids.shape[1] for rows, c in pairs] == [18, 16, 20, 11]  # the last: one row, over
+    capped, _ = make(micro_batch_tokens=20, micro_batch_size=2)
+    assert [rows.tolist() for rows, _ in capped.micro_batches(batch)] == [[7, 6], [5, 4], [3, 2], [1], [0]]
+    whole, _ = make(micro_batch_tokens=10_000)
+    [(rows, same)] = whole.micro_batches(batch)
+    assert same is batch and rows.tolist() == list(range(8))
+    with pytest.raises(ValueError, match="micro_batch_tokens must be >= 1 or None, got 0"):
+        GRPOConfig(micro_batch_tokens=0)
 
 
 def test_checkpoint_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
