@@ -63,3 +63,18 @@ def test_the_e2e_accuracy_judgement_refuses_what_cannot_show_a_loss() -> None:
     assert fine["judgement"].startswith("no accuracy loss: within two standard errors of zero (a - b = +0.000")
     lower = judge([_run("tlt", [0.1, 0.1, 0.1, 0.1])], [_run("nospec", [0.5, 0.5, 0.6, 0.5])])
     assert lower["judgement"].startswith("accuracy LOSS: TLT lower by more than 2 SE")
+
+
+def test_train_step_benchmark_compares_one_gradient_cut_two_ways(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import train_step
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    out = train_step.main(["--smoke", "--out", str(tmp_path / "t.json")])
+    rows, tokens = out["summary"]["rows"], out["summary"]["tokens"]
+    assert out["gradient_gap"] < 1e-5  # the same gradient, cut into 4 forwards of 4 rows or 2 packed ones
+    assert (rows["forwards"], tokens["forwards"]) == (4, 2) and tokens["rows_per_forward"] == [8, 8]
+    assert set(out["ratios"]) == {"tokens_over_rows_update"} and out["ratios"]["tokens_over_rows_update"] > 0
+    with pytest.raises(ValueError, match="--rows, --tokens and --repeats must be >= 1"):
+        train_step.main(["--smoke", "--tokens", "0"])
