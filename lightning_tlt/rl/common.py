@@ -10,6 +10,7 @@ hidden states (`PolicyFeatureSource`, implemented by `RLModule`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass, field
@@ -196,24 +197,42 @@ def gradient_norm(optimizer: Any) -> Tensor | None:
     return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
 
 
+def training_attention(cudnn: bool = False) -> contextlib.AbstractContextManager[Any]:
+    """The SDPA kernels a training forward may use: every backend but cuDNN's unless ``cudnn``
+    (see `lightning_tlt.rl.config.OptimConfig.cudnn_attention`). The backward uses the kernel the
+    forward chose, so wrapping the forward is enough."""
+    if cudnn:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def completion_forward(
-    model: nn.Module, batch: RolloutBatch, *, temperature: float, output_hidden_states: bool = False
+    model: nn.Module,
+    batch: RolloutBatch,
+    *,
+    temperature: float,
+    output_hidden_states: bool = False,
+    cudnn_attention: bool = False,
 ) -> PolicyForward:
     """Log-probabilities and entropies of the batch's completion tokens under ``model``.
 
     As TRL's ``_get_per_token_logps_and_entropies``: one forward over prompt + completion, logits
     of the last ``C + 1`` positions, divided by the sampling temperature, the last one dropped.
-    Positions skip the left padding, as in the engine.
+    Positions skip the left padding, as in the engine. Attention avoids cuDNN's kernels unless
+    ``cudnn_attention`` (`training_attention`).
     """
     c = batch.completion_ids.shape[1]
-    out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        logits_to_keep=c + 1,
-        output_hidden_states=output_hidden_states,
-        use_cache=False,
-    )
+    with training_attention(cudnn_attention):
+        out = model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            logits_to_keep=c + 1,
+            output_hidden_states=output_hidden_states,
+            use_cache=False,
+        )
     hidden = out.hidden_states[-1] if output_hidden_states else None
     raw = out.logits
     del out

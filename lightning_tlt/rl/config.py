@@ -58,6 +58,13 @@ class OptimConfig:
     max_consecutive_nonfinite_steps: int = 3
     """Optimizer steps in a row whose gradient is not finite that are skipped (weights unchanged,
     counted in ``train/nonfinite_grad_steps``) before training stops with an error; 0 stops at the first."""
+    cudnn_attention: bool = False
+    """Let the training forward use cuDNN's SDPA kernels. Off by default: since torch 2.11 their
+    backward returns NaN query gradients on H100/H200 when a mask is passed (every padded batch),
+    the length is 64 past a multiple of 128 and a row's attention logits are all very negative
+    (pytorch/pytorch#196678, met through Qwen2.5-0.5B's attention sinks; it is what TRL's DPO hit).
+    The 0.5 B e2e run on the H200 had one such update in 40; FlashAttention, memory-efficient
+    attention and the math kernel remain."""
 
     def _validate_optim(self) -> None:
         validate_adamw(self)

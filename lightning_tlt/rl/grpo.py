@@ -114,7 +114,8 @@ class GRPOModule(RLModule):
         tokens that count), so the micro-batches' losses add up to the whole batch's.
         """
         cfg = self.config
-        fwd = completion_forward(self.policy, batch, temperature=cfg.temperature, output_hidden_states=harvest)
+        fwd = completion_forward(self.policy, batch, temperature=cfg.temperature, output_hidden_states=harvest,
+                                 cudnn_attention=cfg.cudnn_attention)
         if harvest:
             self._store_features(batch, fwd.hidden_states)
         mask = self.loss_mask(batch)
@@ -169,7 +170,9 @@ class GRPOModule(RLModule):
         if self.ref_model is not None:
             with torch.no_grad():
                 ref_logps = [
-                    completion_forward(self.ref_model, c, temperature=self.config.temperature).logps for c in chunks
+                    completion_forward(self.ref_model, c, temperature=self.config.temperature,
+                                       cudnn_attention=self.config.cudnn_attention).logps
+                    for c in chunks
                 ]
         old_logps: list[Tensor | None] = [None] * len(chunks)  # the first pass is on-policy
         totals: dict[str, Tensor] = {}

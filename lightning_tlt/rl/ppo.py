@@ -25,6 +25,7 @@ from lightning_tlt.rl.common import (
     check_completion_length,
     completion_forward,
     frozen_copy,
+    training_attention,
 )
 from lightning_tlt.rl.config import PPOConfig
 from lightning_tlt.rl.losses import ppo_policy_loss, ppo_value_loss
@@ -114,7 +115,8 @@ class PPOModule(RLModule):
         c = batch.completion_ids.shape[1]
         shared = self.value_model is None
         fwd = completion_forward(
-            self.policy, batch, temperature=self.config.temperature, output_hidden_states=shared or harvest
+            self.policy, batch, temperature=self.config.temperature, output_hidden_states=shared or harvest,
+            cudnn_attention=self.config.cudnn_attention,
         )
         if harvest:
             self._store_features(batch, fwd.hidden_states)
@@ -122,10 +124,11 @@ class PPOModule(RLModule):
             hidden = fwd.hidden_states
         else:
             assert self.value_model is not None
-            hidden = self.value_model(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                output_hidden_states=True, use_cache=False, logits_to_keep=1,
-            ).hidden_states[-1]
+            with training_attention(self.config.cudnn_attention):
+                hidden = self.value_model(
+                    input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                    output_hidden_states=True, use_cache=False, logits_to_keep=1,
+                ).hidden_states[-1]
         assert hidden is not None
         values = self.value_head(hidden[:, -(c + 1) : -1, :]).squeeze(-1).float()  # (B, C)
         return fwd.logps, values, fwd.entropies
@@ -140,7 +143,9 @@ class PPOModule(RLModule):
             old_logps, old_values, entropies = self.forward_with_values(batch, harvest=self.policy_features_requested)
             ref_logps = old_logps
             if self.ref_model is not None:
-                ref_logps = completion_forward(self.ref_model, batch, temperature=cfg.temperature).logps
+                ref_logps = completion_forward(
+                    self.ref_model, batch, temperature=cfg.temperature, cudnn_attention=cfg.cudnn_attention
+                ).logps
             scores = torch.nan_to_num(batch.rewards.float(), nan=0.0)
             if cfg.missing_eos_penalty is not None:
                 scores = scores - cfg.missing_eos_penalty * batch.is_truncated.float()

@@ -22,6 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from typing_extensions import override
 
 from lightning_tlt.models.tokenizer import completion_text, encode_prompt
+from lightning_tlt.rl.common import training_attention
 from lightning_tlt.rl.config import validate_adamw
 
 IGNORE_INDEX = -100
@@ -235,9 +236,8 @@ class SFTModule(LightningModule):
 
     @override
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False
-        ).logits  # (B, T, V)
+        with training_attention():  # not cuDNN's kernels: their backward can return NaN (OptimConfig.cudnn_attention)
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # (B, T, V)
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -334,3 +334,18 @@ def test_resume_restores_the_engines_gate_and_tuner(tmp_path: Path) -> None:
     assert restored["tuner"]["counts"] == saved["tuner"]["counts"]
     assert restored["tuner"]["rewards"] == saved["tuner"]["rewards"]
     assert torch.equal(restored["tuner"]["generator"], saved["tuner"]["generator"])
+
+
+@pytest.mark.parametrize("cudnn", [False, True])
+def test_the_training_forward_keeps_off_cudnn_attention_unless_asked(tmp_path: Path, cudnn: bool) -> None:
+    """pytorch/pytorch#196678: cuDNN's SDPA backward returns NaN query gradients for masked batches of
+    some lengths on H100/H200. The policy's training forward (and so its backward) runs with cuDNN's
+    kernels switched off, the rollout engine's attention and everything outside untouched."""
+    module, data = make(cudnn_attention=cudnn)
+    seen: list[bool] = []
+    attention = module.policy.model.layers[0].self_attn
+    handle = attention.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    trainer(tmp_path, 1).fit(module, datamodule=data)
+    handle.remove()
+    assert seen and set(seen) == {cudnn}  # every training forward (the engine runs its own attention)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored afterwards
