@@ -13,8 +13,13 @@ Control: a rate of drafter steps per stall event, accumulated as credit (so rate
 a step every few events). Each stall step gives an observation ``s = time / clean_time - 1`` (0 for
 a clean step), and the rate moves in log space by ``gain * (cap - s) / cap``: an integral
 controller whose fixed point is a mean observed slowdown equal to the cap (a clean step raises the
-rate a little, a step slowed by twice the cap lowers it as much). Clean baselines are refreshed by
-probing: when a bucket's baseline is missing or old, the pacer queues nothing until the side stream
+rate a little, a step slowed by twice the cap lowers it as much). One observation lowers the log
+rate by at most ``gain * max_penalty`` (a factor of 0.37 at the defaults): a step that a host pause,
+a garbage collection or the drafter's own first capture held up for seconds would otherwise throw
+the rate to its floor, where it needs about 170 stall steps to climb back (measured in
+simulation; on the H200 the e2e's co-training sat at 0.002 drafter steps per event). The cap still
+holds for any drafter step that slows an overlapping decode step by up to ``(1 + max_penalty)``
+times the cap (105 % at the defaults). Clean baselines are refreshed by probing: when a bucket's baseline is missing or old, the pacer queues nothing until the side stream
 has drained, and the next step of that bucket is clean.
 """
 
@@ -37,6 +42,9 @@ class StallPacer:
         probe_every: loaded stall steps of a bucket after which its clean baseline is measured again.
         gain: the controller's step in log rate per observation, relative to the cap.
         min_rate: the rate never falls below this (so it can always measure its way back up).
+        max_penalty: most one observation counts against the rate, in units of the controller's
+            step (see the module docstring); the reported `slowdown` averages observations capped
+            at ``(1 + max_penalty) * max_slowdown`` alike.
     """
 
     max_per_event: int
@@ -45,6 +53,7 @@ class StallPacer:
     probe_every: int = 64
     gain: float = 0.05
     min_rate: float = 1e-3
+    max_penalty: float = 20.0
     rate: float = 1.0
     """Current drafter steps per stall event."""
     slowdown: float = 0.0
@@ -61,6 +70,8 @@ class StallPacer:
             raise ValueError(f"max_slowdown must be > 0 or None, got {self.max_slowdown!r}")
         if not 0 < self.smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing!r}")
+        if not self.max_penalty > 0:
+            raise ValueError(f"max_penalty must be > 0, got {self.max_penalty!r}")
         self.rate = min(self.rate, float(self.max_per_event))
 
     @staticmethod
@@ -98,6 +109,7 @@ class StallPacer:
             self._since_clean[key] = self._since_clean.get(key, 0) + 1
             observed = step_time_s / clean - 1.0 if clean else float("nan")
         if observed == observed:  # a comparable clean baseline exists
+            observed = min(observed, (1 + self.max_penalty) * self.max_slowdown)  # one outlier weighs this much
             self.slowdown = (1 - a) * self.slowdown + a * observed
             step = self.gain * (self.max_slowdown - observed) / self.max_slowdown
             self.rate = min(float(self.max_per_event), max(self.min_rate, self.rate * math.exp(step)))

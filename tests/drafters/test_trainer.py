@@ -8,6 +8,8 @@ side stream does).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -214,6 +216,28 @@ def test_pacer_compares_speculative_steps_of_one_draft_length() -> None:
     told, blind = run(True), run(False)
     assert told.rate == 4.0 and 0 <= told.slowdown < 0.01, (told.rate, told.slowdown)
     assert abs(blind.slowdown) > 0.03, blind.slowdown  # measured: -0.063, a k mix read as a speed-up
+
+
+def test_one_unflagged_pause_costs_the_pacer_a_factor_not_its_rate() -> None:
+    """A decode step held up 2 s by something the engine does not flag (a host pause, the drafter's own
+    first capture in the listener) is one observation of a 40,000 % slowdown: it may lower the rate by
+    e^-1 at most, not throw it to the floor for the next ~170 stall steps (the uncapped controller's
+    reading, kept here as the counterfactual: max_penalty=inf)."""
+
+    def run(pacer: StallPacer) -> list[float]:
+        in_flight, rates = 0, []
+        for i in range(600):
+            time_s = 0.005 * (1 + 0.001 * in_flight) + (2.0 if i == 100 else 0.0)
+            in_flight = pacer.plan("decode", 3, time_s, in_flight)
+            rates.append(pacer.rate)
+        return rates
+
+    capped, uncapped = run(StallPacer(4, 0.05)), run(StallPacer(4, 0.05, max_penalty=float("inf")))
+    assert capped[99] == uncapped[99] == 4.0
+    assert capped[100] == pytest.approx(4.0 * math.exp(-0.05 * 20), rel=1e-6) and capped[130] == 4.0
+    assert uncapped[100] == 1e-3 and uncapped[200] < 0.2  # measured: 0.15, a hundred steps later
+    with pytest.raises(ValueError, match="max_penalty must be > 0"):
+        StallPacer(4, 0.05, max_penalty=0.0)
 
 
 def test_pacer_probes_a_clean_baseline_first() -> None:
