@@ -15,7 +15,9 @@ timing, the two arms' gradients are compared (they are the same gradient, cut di
 
 Prints a table and writes JSON under ``benchmarks/results/`` with ``"summary"`` (per arm:
 ``update_s``, ``forwards``, ``gpu_s``, ``padded_tokens``, ``peak_gb``) and ``"ratios"``:
-``tokens_over_rows_update`` (how many times faster the packed update is).
+``tokens_over_rows_update`` (how many times faster the packed update is) and
+``cudnn_attention_speedup`` (the packed update with cuDNN's attention allowed over without: what
+keeping off its NaN-prone backward, pytorch/pytorch#196678, costs).
 
 GPU: ``python benchmarks/train_step.py``; CPU smoke check: ``python benchmarks/train_step.py --smoke``.
 """
@@ -169,9 +171,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     arms = [
         Arm("rows", model, GRPOConfig(**settings, micro_batch_size=args.rows), batch),  # type: ignore[arg-type]
         Arm("tokens", model, GRPOConfig(**settings, micro_batch_tokens=args.tokens), batch),  # type: ignore[arg-type]
+        # what keeping off cuDNN's attention (pytorch#196678) costs: the same packing with it allowed
+        Arm("tokens_cudnn", model, GRPOConfig(**settings, micro_batch_tokens=args.tokens,  # type: ignore[arg-type]
+                                               cudnn_attention=True), batch),
     ]
     gap = gradient_gap(model, arms)  # before any update: the same weights
-    print(f"[train_step] {len(lengths)} rows, max {max(lengths)} tokens; gradient gap between the arms {gap:.2e}")
+    print(f"[train_step] {len(lengths)} rows, max {max(lengths)} tokens; largest gradient gap from the rows arm {gap:.2e}")
     summary = {}
     for arm in arms:
         summary[arm.name] = timed(arm, device, args.repeats)
@@ -179,11 +184,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"[train_step] {arm.name:6s}: {s['update_s']:.3f} s an update, {s['forwards']} forwards, "
               f"{s['padded_tokens']:,} padded tokens, GPU {s['gpu_s'] or float('nan'):.3f} s", flush=True)  # fmt: skip
     ratio = summary["rows"]["update_s"] / summary["tokens"]["update_s"]
+    cudnn = summary["tokens"]["update_s"] / summary["tokens_cudnn"]["update_s"]
     print("\n| arm | update | forwards | padded tokens | GPU busy |\n|---|---|---|---|---|")
     for name, s in summary.items():
         print(f"| {name} | {s['update_s']:.3f} s | {s['forwards']} | {s['padded_tokens']:,} | "
               f"{s['gpu_s'] or float('nan'):.3f} s |")  # fmt: skip
-    print(f"tokens_over_rows_update: {ratio:.2f}x")
+    print(f"tokens_over_rows_update: {ratio:.2f}x; cudnn_attention_speedup: {cudnn:.2f}x")
     import lightning
     import transformers
 
@@ -198,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     "p50": sorted(lengths)[len(lengths) // 2]},  # fmt: skip
         "gradient_gap": gap,
         "summary": summary,
-        "ratios": {"tokens_over_rows_update": ratio},
+        "ratios": {"tokens_over_rows_update": ratio, "cudnn_attention_speedup": cudnn},
     }
     card = "h200" if "H200" in results["card"] else ("cuda" if cuda else "cpu")
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d")
