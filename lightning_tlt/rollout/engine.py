@@ -54,6 +54,7 @@ from lightning_tlt.drafters.suffix import SuffixDrafter
 from lightning_tlt.rollout.cuda_graphs import CUDAGraphBackend, CUDAGraphProfileCache, GraphProfile
 from lightning_tlt.rollout.gate import AdaptiveGate
 from lightning_tlt.rollout.hf_fallback import generate_hf
+from lightning_tlt.rollout.inference_copy import InferenceCopy, resolve_dtype
 from lightning_tlt.rollout.scheduler import Request, SlotScheduler
 from lightning_tlt.rollout.slot_state import MAX_STOP_IDS, SlotState
 from lightning_tlt.rollout.spec_metrics import SpeculationMetrics
@@ -137,6 +138,11 @@ class RolloutEngine:
             (about half of each layer's) that every ``generate`` first refreshes from the policy
             (`lightning_tlt.core.runner.FusedProjections`): fewer launches per step where batch-1
             decode is launch-bound. Off by default: the engine then reads the policy, never copies it.
+        dtype: decode in this dtype (a `torch.dtype` or "bfloat16", "float16", "float32"): when it is
+            not the policy's, the engine keeps a copy of the parameters in it, refreshed in place from
+            the policy at every ``generate`` (`lightning_tlt.rollout.inference_copy.InferenceCopy`):
+            RL with float32 master weights (``bf16-mixed``) then rolls out in bf16. ``None``: the
+            policy's own dtype, read in place.
     """
 
     def __init__(
@@ -154,6 +160,7 @@ class RolloutEngine:
         prefill_chunk_tokens: int = 16384,
         attention: str = "auto",
         fuse_projections: bool = False,
+        dtype: torch.dtype | str | None = None,
     ) -> None:
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len!r}")
@@ -163,6 +170,10 @@ class RolloutEngine:
             raise ValueError(f"memory_budget_bytes must be > 0 or None, got {memory_budget_bytes!r}")
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens!r}")
+        wanted = resolve_dtype(dtype)
+        self._copy: InferenceCopy | None = None
+        if wanted is not None and wanted != next(unwrap_model(model).parameters()).dtype:
+            self._copy = InferenceCopy(model, wanted)
         self._model = model
         self.max_seq_len = max_seq_len
         self.speculative = speculative or SpeculativeConfig()
@@ -179,7 +190,8 @@ class RolloutEngine:
         self._memory_budget = memory_budget_bytes
         self._max_batch_size = max_batch_size
         self._listeners: list[StepListener] = []
-        self._runner = ModelRunner(model, attention, fuse_projections) if is_supported(model) else None
+        runs = self._hf  # what the engine decodes with: the policy, or its copy in `dtype`
+        self._runner = ModelRunner(runs, attention, fuse_projections) if is_supported(model) else None
         spec = self.speculative
         self._spec_on = spec.enabled and self._runner is not None
         if spec.enabled and self._runner is None:
@@ -187,7 +199,7 @@ class RolloutEngine:
                 f"{type(unwrap_model(model)).__name__} runs on the generic HF path, which does not speculate",
                 stacklevel=2,
             )
-        self._drafter: Any = default_drafter(spec, model) if spec.enabled else None
+        self._drafter: Any = default_drafter(spec, runs) if spec.enabled else None
         self._drafter_handle = 0  # bumped whenever the drafter object is replaced (graph keys)
         self.drafter_version = 0
         """Version of the published drafter weights (`set_drafter` advances it)."""
@@ -226,8 +238,13 @@ class RolloutEngine:
         return self._model
 
     @property
-    def _hf(self) -> Any:  # the unwrapped HF model, whose config and submodules are reached by name
-        return unwrap_model(self._model)
+    def _hf(self) -> Any:  # the HF model decoded (the policy unwrapped, or its copy in `dtype`)
+        return self._copy.module if self._copy is not None else unwrap_model(self._model)
+
+    @property
+    def inference_copy(self) -> InferenceCopy | None:
+        """The policy's parameters in the engine's ``dtype`` (``None``: the engine reads the policy)."""
+        return self._copy
 
     @property
     def device(self) -> torch.device:
@@ -343,7 +360,7 @@ class RolloutEngine:
                     for name, tensor in current.state_dict().items():
                         tensor.copy_(source[name])
             elif any(p.requires_grad for p in drafter.parameters()):
-                self.drafter = drafter.inference_copy()
+                self.drafter = drafter.inference_copy(self.dtype)
             else:
                 self.drafter = drafter
         else:
@@ -416,6 +433,8 @@ class RolloutEngine:
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids are supported, got {stop_ids!r}")
         gen = self._generator(generator)
         requests = [Request(p * num_samples + g, p, ids[p]) for p in range(len(ids)) for g in range(num_samples)]
+        if self._copy is not None:
+            self._copy.sync()  # the policy trained since the last call
         was_training = self._hf.training
         self._hf.eval()
         if self._runner is not None:
