@@ -149,8 +149,8 @@ def warm_start_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 DRAFTER_KEYS = ("drafter_prompts", "drafter_samples", "drafter_steps", "drafter_lr", "max_new")
 RUN_KEYS = ("steps", "prompts", "generations", "max_new", "lr", "micro_batch", "micro_batch_tokens", "threshold",
-            "cotrain_lr", "engine")
-TRL_KEYS = ("trl_steps", "trl_budget_s", "prompts", "generations", "max_new", "lr", "micro_batch")
+            "cotrain_lr", "engine", "master_weights")
+TRL_KEYS = ("trl_steps", "trl_budget_s", "prompts", "generations", "max_new", "lr", "micro_batch", "master_weights")
 
 
 def _key(prefix: str, args: argparse.Namespace, keys: tuple[str, ...]) -> str:
@@ -455,7 +455,11 @@ def run_lightning(
     ``time_limit_s`` of this call (loading, compiling and capturing included)."""
     deadline = time.perf_counter() + time_limit_s
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    # float32 master weights trained under bf16 autocast, rollouts from the engine's bf16 copy of them
+    # (the datamodule's default under bf16-mixed); "bfloat16": the weights themselves in bf16, where
+    # AdamW steps of 1e-5 leave most of them unchanged (this run's first H200 measurement trained so)
+    mixed = device == "cuda" and args.master_weights == "float32"
+    dtype = torch.bfloat16 if device == "cuda" and not mixed else torch.float32
     pl.seed_everything(seed, workers=False, verbose=False)
     policy = load_policy(policy_dir, device, dtype)
     split = {"micro_batch_tokens": args.micro_batch_tokens} if args.micro_batch_tokens else {
@@ -498,6 +502,7 @@ def run_lightning(
         max_steps=steps,
         accelerator="gpu" if device == "cuda" else "cpu",
         devices=1,
+        precision="bf16-mixed" if mixed else None,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -584,7 +589,8 @@ def run_trl(args: argparse.Namespace, seed: int, policy_dir: Path, budget_s: flo
         dataloader_num_workers=0,
         disable_tqdm=True,
         gradient_checkpointing=False,  # TRL turns it on by default; a and b do not checkpoint
-        model_init_kwargs={"dtype": "bfloat16"} if cuda else None,  # the kit's arms train bf16 weights too
+        # the weights in the same dtype as a and b's (float32 under bf16 autocast, or bf16 themselves)
+        model_init_kwargs={"dtype": args.master_weights} if cuda else None,
     )
     trainer = GRPOTrainer(
         model=str(policy_dir),
@@ -912,6 +918,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--micro-batch", type=int, default=4,
         help="rows per training forward: TRL's per_device_train_batch_size, and a and b's "
         "GRPOConfig.micro_batch_size when --micro-batch-tokens is 0",
+    )
+    p.add_argument(
+        "--master-weights", choices=("float32", "bfloat16"), default="float32",
+        help="a and b on the GPU: float32 weights under bf16-mixed (rollouts from a bf16 copy), or the "
+        "weights in bf16 (AdamW steps of --lr mostly round away)",
     )
     p.add_argument(
         "--micro-batch-tokens", type=int, default=16384,

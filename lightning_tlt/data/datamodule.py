@@ -93,8 +93,10 @@ class RolloutDataModule(pl.LightningDataModule):
         engine: "native" (`RolloutEngine`, in-process over the policy's own parameters) or "vllm"
             (`lightning_tlt.rollout.vllm_engine.VLLMRolloutEngine` on a colocated ``vllm.LLM``, policy
             weights pushed after each optimizer step; needs ``pip install lightning-tlt[vllm]``).
-        engine_kwargs: further options of the chosen engine (``use_cuda_graphs``, ``compile``, ...;
-            for vLLM ``gpu_memory_utilization``, ``enforce_eager``, ...).
+        engine_kwargs: further options of the chosen engine (``use_cuda_graphs``, ``compile``, ``dtype``,
+            ...; for vLLM ``gpu_memory_utilization``, ``enforce_eager``, ...). Under a ``bf16-mixed``
+            Trainer the native engine's ``dtype`` defaults to bfloat16 (``16-mixed``: float16): the
+            float32 policy rolls out from a copy of its weights in that dtype, refreshed every step.
         reward_weights: weight per reward function; ``None`` takes the module's, else 1 each.
         scale_rewards: "group", "batch" or "none"; ``None`` takes the module's.
         on_reward_error: "raise" stops on a reward function error (naming the prompt and completion),
@@ -290,6 +292,14 @@ class RolloutDataModule(pl.LightningDataModule):
             raise RuntimeError("RolloutDataModule has no policy: attach it to a Trainer or call prepare(policy=...)")
         return self._policy
 
+    def _mixed_precision_dtype(self) -> str | None:
+        """The dtype a ``bf16-mixed`` / ``16-mixed`` Trainer computes in (``None`` for any other, or
+        no Trainer): the native engine's default ``dtype`` then, so a float32 policy (its master
+        weights) rolls out in it (`lightning_tlt.rollout.inference_copy`) instead of in float32."""
+        trainer = getattr(self, "trainer", None)
+        precision = str(getattr(trainer, "precision", "")) if trainer is not None else ""
+        return {"bf16-mixed": "bfloat16", "16-mixed": "float16"}.get(precision)
+
     @property
     def engine(self) -> RolloutBackend:
         """The rollout engine (``engine`` says which), created on first use on the policy's device."""
@@ -303,6 +313,9 @@ class RolloutDataModule(pl.LightningDataModule):
                 speculative=self.speculative,
                 **self.engine_kwargs,
             )
+            rollout_dtype = self._mixed_precision_dtype()
+            if rollout_dtype is not None and self.engine_kind == "native" and "dtype" not in kwargs:
+                kwargs["dtype"] = rollout_dtype  # float32 master weights, rollouts in the autocast dtype
             self._engine = make_engine(self.engine_kind, self.policy, tokenizer=self.tokenizer, **kwargs)
             for fn in self._listeners:
                 self._engine.add_listener(fn)

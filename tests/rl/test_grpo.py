@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_tlt.callbacks.rollout_metrics import RolloutMetricsCallback
 from lightning_tlt.callbacks.rollout_progress import RolloutProgressCallback
+from lightning_tlt.core.types import SamplingConfig
 from lightning_tlt.data.batch import RolloutBatch
 from lightning_tlt.data.datamodule import RolloutDataModule
 from lightning_tlt.models.zoo import build_model
@@ -349,3 +350,25 @@ def test_the_training_forward_keeps_off_cudnn_attention_unless_asked(tmp_path: P
     handle.remove()
     assert seen and set(seen) == {cudnn}  # every training forward (the engine runs its own attention)
     assert torch.backends.cuda.cudnn_sdp_enabled()  # restored afterwards
+
+
+def test_bf16_mixed_trains_float32_weights_and_rolls_out_in_bf16(tmp_path: Path) -> None:
+    """Under a bf16-mixed Trainer the policy keeps float32 master weights (an AdamW step of the size RL
+    takes is below half a bf16 unit of most weights: in bf16 they would not move) and the engine rolls
+    out from its bf16 copy of them, refreshed every RL step."""
+    module, data = make(learning_rate=1e-5)
+    before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+    trainer(tmp_path, 2, precision="bf16-mixed").fit(module, datamodule=data)
+    engine = data.engine
+    assert engine.dtype == torch.bfloat16 and engine.inference_copy is not None
+    assert all(p.dtype == torch.float32 for p in module.policy.parameters())
+    moved = [n for n, p in module.policy.named_parameters() if not torch.equal(p, before[n])]
+    assert len(moved) == len(before)  # every tensor moved, the norms' weights too
+    engine.generate([[5, 6]], SamplingConfig(max_new_tokens=2))  # the copy follows the trained weights
+    for (name, copied), (_, master) in zip(engine.inference_copy.module.named_parameters(),
+                                           module.policy.named_parameters()):
+        assert copied.dtype == torch.bfloat16 and torch.equal(copied, master.detach().bfloat16()), name
+    # a bf16 policy at the same learning rate: one step leaves the norms' weights where they were
+    bf16 = before["model.layers.0.input_layernorm.weight"].bfloat16()
+    stepped = bf16 - 1e-5 * torch.sign(torch.randn_like(bf16))  # an Adam step of size lr
+    assert torch.equal(stepped, bf16)
