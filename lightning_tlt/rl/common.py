@@ -10,7 +10,6 @@ hidden states (`PolicyFeatureSource`, implemented by `RLModule`).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_tlt.rl.attention import training_attention
 from lightning_tlt.rl.batch import RolloutBatch
 from lightning_tlt.rl.config import OptimConfig
 from lightning_tlt.rl.progress_bar import optimizer_step_bar
@@ -195,17 +195,6 @@ def gradient_norm(optimizer: Any) -> Tensor | None:
         return None
     norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
     return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
-
-
-def training_attention(cudnn: bool = False) -> contextlib.AbstractContextManager[Any]:
-    """The SDPA kernels a training forward may use: every backend but cuDNN's unless ``cudnn``
-    (see `lightning_tlt.rl.config.OptimConfig.cudnn_attention`). The backward uses the kernel the
-    forward chose, so wrapping the forward is enough."""
-    if cudnn:
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def completion_forward(

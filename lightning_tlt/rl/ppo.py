@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_tlt.rl.advantages import gae, masked_mean, masked_whiten, ppo_token_rewards
+from lightning_tlt.rl.attention import training_attention
 from lightning_tlt.rl.batch import RolloutBatch, RolloutSettings
 from lightning_tlt.rl.common import (
     PolicySpec,
@@ -25,7 +26,6 @@ from lightning_tlt.rl.common import (
     check_completion_length,
     completion_forward,
     frozen_copy,
-    training_attention,
 )
 from lightning_tlt.rl.config import PPOConfig
 from lightning_tlt.rl.losses import ppo_policy_loss, ppo_value_loss

@@ -22,7 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from typing_extensions import override
 
 from lightning_tlt.models.tokenizer import completion_text, encode_prompt
-from lightning_tlt.rl.common import training_attention
+from lightning_tlt.rl.attention import training_attention
 from lightning_tlt.rl.config import validate_adamw
 
 IGNORE_INDEX = -100
