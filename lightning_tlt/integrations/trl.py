@@ -71,7 +71,9 @@ def rollout_func(
             max_completion_length) at every call.
         speculative: speculation of an engine created here.
         seed: seeds the sampling generator; ``None`` takes ``trainer.args.seed``.
-        engine_kwargs: other options of an engine created here (``max_batch_size``, ``max_seq_len``, ...).
+        engine_kwargs: other options of an engine created here (``max_batch_size``, ``max_seq_len``, ...);
+            with TRL's ``bf16=True`` its ``dtype`` defaults to bfloat16 (a float32 model rolls out
+            from a bf16 copy of its weights, refreshed at every call; a bf16 model is read as it is).
         log_metrics: add the engine's figures to TRL's logged metrics.
 
     Returns:
@@ -88,6 +90,9 @@ def rollout_func(
             opts = dict(engine_kwargs or {})
             opts.setdefault("max_seq_len", longest_prompt + sampling.max_new_tokens + 64)
             opts.setdefault("max_batch_size", rows)
+            args = getattr(trainer, "args", None)
+            if "dtype" not in opts and getattr(args, "bf16", False):  # float32 weights, bf16 autocast: bf16 rollouts
+                opts["dtype"] = "bfloat16"
             model = trainer.accelerator.unwrap_model(trainer.model) if hasattr(trainer, "accelerator") else trainer.model
             state["engine"] = make_engine("native", model, speculative=speculative, **opts)
         return state["engine"]

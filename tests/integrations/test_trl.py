@@ -82,3 +82,15 @@ def test_sampling_follows_trainer_args_and_engine_is_created_lazily(tokenizer) -
     assert out["completion_ids"][2] == out["completion_ids"][3]
     # greedy logprobs are log 1 = 0 under the (one-hot) sampling distribution
     assert torch.tensor(out["logprobs"][0]).abs().max().item() == pytest.approx(0.0, abs=1e-5)
+
+
+def test_with_trl_bf16_a_float32_model_rolls_out_in_bf16(tokenizer) -> None:  # noqa: ANN001
+    from types import SimpleNamespace
+
+    model = build_model("qwen2", "tiny", seed=0)  # float32 weights, as TRL keeps them under bf16=True
+    args = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=0, max_completion_length=5, seed=3, bf16=True)
+    f = rollout_func(sampling=SamplingConfig(temperature=0.0, max_new_tokens=5))
+    f(["ab", "ab"], SimpleNamespace(args=args, model=model, processing_class=tokenizer))
+    engine = f.state["engine"]
+    assert engine.dtype == torch.bfloat16 and engine.inference_copy is not None
+    assert next(model.parameters()).dtype == torch.float32  # the model itself untouched
