@@ -14,6 +14,11 @@ b. ``nospec``: the same engine, settings and seed with speculation off;
 c. ``trl``: TRL's ``GRPOTrainer`` with its default HF ``generate``, same policy, task and settings
    (`grpo_settings`), as many steps as its own time budget allows (measured, not extrapolated).
 
+On the GPU all three train float32 master weights under bf16 autocast (``--master-weights``); a and
+b roll out from the engine's bf16 copy of them (`lightning_tlt.rollout.inference_copy`), and cut
+the update into micro-batches by tokens (``--micro-batch-tokens``). The first H200 measurement
+(``e2e_h200_20261203_d3.json``) trained bf16 weights, which AdamW steps of 1e-5 mostly leave as they are.
+
 Stages (``--stage``, comma-separated, default ``all``): ``warmstart`` (SFT of the policy, bounded in
 time, then the drafter's warm start), ``ab`` (b, then a over b's number of steps, seed by seed),
 ``trl``, and the report, which every call writes from all that is cached. Every unit is cached under
