@@ -14,6 +14,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 
 __all__ = [
+    "DTYPES",
     "Phase",
     "FinishReason",
     "SamplingConfig",
@@ -24,6 +25,9 @@ __all__ = [
     "SpecMethod",
     "SpeculativeConfig",
 ]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The parameter dtypes configurations name (a policy's ``dtype``, an engine's ``dtype``)."""
 
 Phase = Literal["prefill", "decode", "speculative", "done"]
 FinishReason = Literal["stop", "length"]

@@ -19,8 +19,9 @@ a garbage collection or the drafter's own first capture held up for seconds woul
 the rate to its floor, where it needs about 170 stall steps to climb back (measured in
 simulation; on the H200 the e2e's co-training sat at 0.002 drafter steps per event). The cap still
 holds for any drafter step that slows an overlapping decode step by up to ``(1 + max_penalty)``
-times the cap (105 % at the defaults). Clean baselines are refreshed by probing: when a bucket's baseline is missing or old, the pacer queues nothing until the side stream
-has drained, and the next step of that bucket is clean.
+times the cap (105 % at the defaults). Clean baselines are refreshed by probing: when a bucket's
+baseline is missing or old, the pacer queues nothing until the side stream has drained, and the
+next step of that bucket is clean.
 """
 
 from __future__ import annotations

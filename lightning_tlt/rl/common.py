@@ -22,12 +22,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_tlt.core.types import DTYPES
 from lightning_tlt.rl.attention import training_attention
 from lightning_tlt.rl.batch import RolloutBatch
 from lightning_tlt.rl.config import OptimConfig
 from lightning_tlt.rl.progress_bar import optimizer_step_bar
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -56,8 +55,8 @@ class PolicySpec:
     def __post_init__(self) -> None:
         from lightning_tlt.models.zoo import ARCHS, ZOO_SIZES
 
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.path is not None and self.warm_start is not None:
             raise ValueError(f"give either path ({self.path!r}) or warm_start ({self.warm_start!r}), not both")
         if self.path is None and self.arch not in ARCHS:
@@ -80,7 +79,7 @@ class PolicySpec:
 
     def build(self) -> nn.Module:
         """Build (or load) the policy, on the CPU."""
-        dtype = _DTYPES[self.dtype]
+        dtype = DTYPES[self.dtype]
         if self.path is not None:
             from transformers import AutoModelForCausalLM
 

@@ -22,25 +22,23 @@ import copy
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_tlt.core.runner import unwrap_model
+from lightning_tlt.core.types import DTYPES
 
-__all__ = ["DTYPES", "InferenceCopy", "resolve_dtype"]
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""The rollout dtypes an engine takes by name (YAML configs, JSON options)."""
+__all__ = ["InferenceCopy", "resolve_dtype"]
 
 
 def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """``dtype`` as a `torch.dtype` (names of `DTYPES` accepted); ``None`` stays ``None``."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        if isinstance(dtype, torch.dtype) and dtype not in DTYPES.values():
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)} (or None: the policy's), got {dtype!r}")
-        return dtype
-    if dtype not in DTYPES:
+    """``dtype`` as a `torch.dtype` (the names of `lightning_tlt.core.types.DTYPES` accepted);
+    ``None`` stays ``None``."""
+    if dtype is None:
+        return None
+    resolved = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if resolved not in DTYPES.values():
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} (or None: the policy's), got {dtype!r}")
-    return DTYPES[dtype]
+    return resolved
 
 
 class InferenceCopy:
@@ -59,21 +57,20 @@ class InferenceCopy:
         }
         self.module: Any = copy.deepcopy(source, memo).eval()
         self.dtype = dtype
-        self._source = source
         names = [name for name, _ in source.named_parameters()]
         if names != [name for name, _ in self.module.named_parameters()]:
             raise RuntimeError("the inference copy's parameters do not mirror the policy's")  # not expected
-        self._pairs = list(zip(self.module.parameters(), source.parameters()))
+        # the same Parameter objects for the copy's life (`nn.Module.to` replaces their data, not them)
+        self._copies: list[Tensor] = list(self.module.parameters())
+        self._sources: list[Tensor] = list(source.parameters())
 
     @property
     def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p, _ in self._pairs)
+        return sum(p.numel() * p.element_size() for p in self._copies)
 
     @torch.no_grad()
     def sync(self) -> None:
         """Cast the policy's current weights into the copy, in place (following it to its device first)."""
-        device = self._pairs[0][1].device
-        if self._pairs[0][0].device != device:
-            self.module.to(device)
-        copies, sources = [p for p, _ in self._pairs], [s.detach() for _, s in self._pairs]
-        torch._foreach_copy_(copies, sources)
+        if self._copies[0].device != self._sources[0].device:
+            self.module.to(self._sources[0].device)
+        torch._foreach_copy_(self._copies, self._sources)

@@ -276,11 +276,9 @@ class SpeculativeStep:
         head, bias, ids = self._head
         vd = head.shape[0]
         noise = None if sampling.greedy else exponential_noise((k, batch, vd), gen, head.device)
-        # rows whose last step was plain (or new rows): one true row, the newest feature + pending token;
-        # after a plain step (width 1) no row's catch-up block is current
+        # rows whose last step was plain (or new rows): one true row, the newest feature + pending token
+        # (after a plain step `run` has cleared every slot's flag: no catch-up block is current)
         fresh = spec.cu_fresh[:batch] & ~st.finished[:batch]  # padding rows: stale blocks are never read
-        if width == 1:
-            fresh = torch.zeros_like(fresh)
         pending = st.positions[:batch]
         base = torch.where(fresh, spec.cu_base[:batch], (pending - 1).clamp_min(0))
         valid = torch.where(fresh, spec.cu_valid[:batch], torch.ones_like(base)).clamp(1, width)
