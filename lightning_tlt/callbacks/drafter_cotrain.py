@@ -163,6 +163,11 @@ def publish_drafter(engine: Any, drafter: EagleDrafter, version: int) -> EagleDr
     return current
 
 
+def precision_dtype(precision: str) -> torch.dtype | None:
+    """The half dtype a Lightning ``precision`` computes in (``"bf16-mixed"``: bf16), else ``None``."""
+    return {"bf16": torch.bfloat16, "16": torch.float16}.get(str(precision).split("-")[0])
+
+
 def _same_layout(a: EagleDrafter, b: EagleDrafter) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(sa[k].shape == sb[k].shape for k in sa)
@@ -240,8 +245,13 @@ class DrafterCoTrainCallback(Callback):
         """``(reason, active_rows, steps)`` of every event that queued drafter steps (reason "stall" or "wait")."""
 
     # ------------------------------------------------------------------ setup
-    def setup_drafter(self, policy: torch.nn.Module) -> EagleDrafter:
-        """Build (or take) the drafter for ``policy`` and its trainer; apply a pending resume."""
+    def setup_drafter(self, policy: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> EagleDrafter:
+        """Build (or take) the drafter for ``policy`` and its trainer; apply a pending resume.
+
+        ``compute_dtype``: what the drafter's step computes in (autocast) and the buffer stores
+        features in; ``None``: the policy's dtype. `on_fit_start` passes the Trainer's half
+        precision (``bf16-mixed``: float32 master weights, bf16 compute, as the policy's own update).
+        """
         cfg = self.config
         if self.drafter is None:
             generator = torch.Generator().manual_seed(cfg.seed)
@@ -255,8 +265,12 @@ class DrafterCoTrainCallback(Callback):
             )
         if self.learner is None or self.learner.drafter is not self.drafter:  # a second fit keeps its optimizer
             self.buffer.device = self.drafter.fc.weight.device
-            self.buffer.dtype = self.drafter.embed_weight.dtype  # compact: the policy's dtype
-            self.learner = DrafterTrainer(self.drafter, self.buffer, cfg)
+            self.buffer.dtype = compute_dtype or self.drafter.embed_weight.dtype  # compact: the compute dtype
+            self.learner = DrafterTrainer(self.drafter, self.buffer, cfg, compute_dtype)
+        elif compute_dtype is not None and compute_dtype != self.learner.compute_dtype:
+            self.learner.set_compute_dtype(compute_dtype)
+            if self.buffer.features is None:  # storage not allocated yet: it takes the new dtype
+                self.buffer.dtype = compute_dtype
         if self._pending_state is not None:
             self._restore(self._pending_state)
             self._pending_state = None
@@ -270,7 +284,7 @@ class DrafterCoTrainCallback(Callback):
                 f"DrafterCoTrainCallback needs a LightningModule that hands over the policy's features "
                 f"(lightning_tlt.rl.common.PolicyFeatureSource, e.g. GRPOModule), got {type(pl_module).__name__}"
             )
-        drafter = self.setup_drafter(cast(torch.nn.Module, pl_module.policy))
+        drafter = self.setup_drafter(cast(torch.nn.Module, pl_module.policy), precision_dtype(trainer.precision))
         pl_module.request_policy_features(True)
         engine = self.engine(trainer)
         if not self._warm_started and self.config.warm_start == "sft":
@@ -451,6 +465,9 @@ class DrafterCoTrainCallback(Callback):
             self.evaluations.append((self._last_eval_step, *heldout))
         published = self._maybe_publish(engine, measured, changed)
         stats = learner.take_stats()  # before the evaluation is queued: reading it then would wait for it
+        vocab = getattr(engine, "draft_vocab_ids", None)
+        if vocab is not None:  # the rows the next rollout drafts from: the loss compares those only
+            learner.set_vocabulary(vocab())
         if self.buffer.num_train:
             learner.prepare()  # the graph capture synchronizes: here, not in a stall
         learner.resume_after_main()  # later drafter steps see this boundary's buffer and weights

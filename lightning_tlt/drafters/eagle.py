@@ -459,12 +459,16 @@ class EagleDrafter(nn.Module):
             prefill=prefill, attention=attention, hole=hole, mask=keep,
         )  # fmt: skip
 
-    def logits(self, features: Tensor) -> Tensor:
-        """Next-token logits of predicted features through the policy's LM head: ``(..., H)`` -> ``(..., V)``."""
-        bias = getattr(self._lm_head, "bias", None)
-        return F.linear(
-            features, self.lm_head_weight.to(features.dtype), None if bias is None else bias.detach()
-        )
+    def logits(self, features: Tensor, rows: Tensor | None = None) -> Tensor:
+        """Next-token logits of predicted features through the policy's LM head: ``(..., H)`` -> ``(..., V)``,
+        or through its ``rows`` only (``(Vd,)`` long ids, a draft vocabulary): ``(..., Vd)``, column ``j``
+        the logit of token ``rows[j]``."""
+        weight, bias = self.lm_head_weight, getattr(self._lm_head, "bias", None)
+        bias = None if bias is None else bias.detach()
+        if rows is not None:
+            weight = weight.index_select(0, rows)
+            bias = None if bias is None else bias.index_select(0, rows)
+        return F.linear(features, weight.to(features.dtype), None if bias is None else bias.to(features.dtype))
 
     # ------------------------------------------------------------------ reference drafting
     @torch.no_grad()

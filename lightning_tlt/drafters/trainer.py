@@ -112,16 +112,26 @@ class DrafterTrainer:
     Args:
         drafter: the drafter to train (half-precision weights are turned into float32 master
             weights: an AdamW step of about ``lr`` is below one bf16 unit of weights of about 0.02;
-            the forward runs under autocast in the policy's dtype).
+            the forward runs under autocast in ``compute_dtype``).
         buffer: where batches come from.
         config: the settings.
+        compute_dtype: the dtype the forward runs in (autocast where it is half); ``None``: the
+            policy's (its embedding's). A policy with float32 master weights trained under
+            ``bf16-mixed`` passes ``torch.bfloat16``: in float32 the step's full-vocabulary head
+            matmuls took about 100 ms of an H200 per step at 0.5 B, beside decode.
     """
 
-    def __init__(self, drafter: EagleDrafter, buffer: FeatureReplayBuffer, config: DrafterTrainConfig) -> None:
+    def __init__(
+        self,
+        drafter: EagleDrafter,
+        buffer: FeatureReplayBuffer,
+        config: DrafterTrainConfig,
+        compute_dtype: torch.dtype | None = None,
+    ) -> None:
         self.config = config
         self.drafter = drafter
         self.buffer = buffer
-        self.compute_dtype = drafter.embed_weight.dtype  # the policy's
+        self.compute_dtype = compute_dtype or drafter.embed_weight.dtype
         if drafter.fc.weight.dtype in (torch.float16, torch.bfloat16):
             drafter.float()
         drafter.train()
@@ -152,6 +162,7 @@ class DrafterTrainer:
         self._sums = torch.zeros(len(_STATS), dtype=torch.float64, device=dev)  # since the last take_stats
         self._plan = torch.full((config.batch_size, config.pack_segments, 3), -1, dtype=torch.long, device=dev)
         self._plan[..., 1:] = 0
+        self._vocab: Tensor | None = None  # (Vd,) head rows the loss compares (`set_vocabulary`), None: all
         self._graph: Any = None
         self._captured_at: tuple[int, ...] = ()  # `_addresses()` at the capture
         self._stream: Any = torch.cuda.Stream(device=dev) if execution in ("graph", "stream") else None
@@ -170,7 +181,7 @@ class DrafterTrainer:
 
     # ------------------------------------------------------------------ the step
     def loss(self, drafter: EagleDrafter, batch: EagleBatch) -> DrafterLossOutput:
-        """The EAGLE loss of ``drafter`` on ``batch`` (autocast in the policy's dtype when it is half)."""
+        """The EAGLE loss of ``drafter`` on ``batch`` (autocast in ``compute_dtype`` when it is half)."""
         cfg = self.config
         dtype = drafter.fc.weight.dtype
         low = self.compute_dtype if self.compute_dtype in (torch.float16, torch.bfloat16) else None
@@ -184,11 +195,46 @@ class DrafterTrainer:
             feature_weight=cfg.feature_weight, token_weight=cfg.token_weight, temperature=cfg.eval_temperature,
         )  # fmt: skip
 
-    @staticmethod
-    def head_logits(drafter: EagleDrafter, features: Tensor) -> Tensor:
-        """Next-token logits of features ``(..., H) -> (..., V)``: the one place that picks the head
-        rows the loss compares (the policy's whole vocabulary today; a draft vocabulary later)."""
-        return drafter.logits(features)
+    def head_logits(self, drafter: EagleDrafter, features: Tensor) -> Tensor:
+        """Next-token logits of features ``(..., H) -> (..., V)``, or ``(..., Vd)`` over the draft
+        vocabulary (`set_vocabulary`): the one place that picks the head rows the loss compares."""
+        return drafter.logits(features, self._vocab)
+
+    @property
+    def vocabulary(self) -> Tensor | None:
+        """The head rows the loss compares (``(Vd,)`` long token ids), or ``None``: every row."""
+        return self._vocab
+
+    def set_vocabulary(self, ids: Tensor | None) -> None:
+        """Compare the policy's head rows ``ids`` only, or every row (``None``).
+
+        The engine drafts from its draft vocabulary (`lightning_tlt.rollout.spec_step.DraftVocabulary`,
+        EAGLE-3's ``d2t``), so a drafted token is always one of its ids: training the drafter's
+        softmax over the same rows fits what it drafts from, at ``Vd / V`` of the head's cost (at
+        0.5 B the two full 151,936-row head matmuls are most of a drafter step). Ids of the same
+        count are copied in place, ordered after the queued steps and before later ones (a captured
+        step stays valid); another count is captured again.
+        """
+        if ids is None:
+            if self._vocab is not None:
+                self.wait()
+                self._vocab, self._graph = None, None
+            return
+        ids = ids.to(device=self.device, dtype=torch.long).flatten()
+        vocab = int(self.drafter.lm_head_weight.shape[0])
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise ValueError(f"vocabulary ids must be a non-empty set of token ids in [0, {vocab}), got {ids.numel()} "
+                             f"ids in [{int(ids.min()) if ids.numel() else None}, {int(ids.max()) if ids.numel() else None}]")  # fmt: skip
+        if self._vocab is not None and self._vocab.shape == ids.shape:
+            if torch.equal(self._vocab, ids):
+                return
+            self.wait()  # the main stream after the queued steps; the side stream after the copy
+            self._vocab.copy_(ids)
+            if self._stream is not None:
+                self._stream.wait_stream(torch.cuda.current_stream())
+            return
+        self.wait()
+        self._vocab, self._graph = ids.clone(), None
 
     def _step(self) -> None:
         """One drafter update on the batch planned in ``self._plan``; no host sync (capturable)."""
@@ -219,6 +265,13 @@ class DrafterTrainer:
     # ------------------------------------------------------------------ running steps
     def _side(self) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+
+    def set_compute_dtype(self, dtype: torch.dtype) -> None:
+        """Compute in ``dtype`` from the next step on (a captured step is captured again)."""
+        if dtype != self.compute_dtype:
+            self.wait()
+            self.compute_dtype = dtype
+            self._graph = None
 
     def prepare(self) -> None:
         """Capture the step as a CUDA graph (``"graph"`` execution), once; a no-op otherwise.
@@ -456,6 +509,7 @@ class DrafterTrainer:
             "attempted": float(self._attempted.item()),
             "skipped": float(self._skipped.item()),
             "steps_enqueued": self.steps_enqueued,
+            "vocabulary": None if self._vocab is None else self._vocab.cpu(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -476,6 +530,7 @@ class DrafterTrainer:
         self._attempted_host = int(state["attempted"])
         self._skipped.fill_(float(state["skipped"]))
         self.steps_enqueued = int(state["steps_enqueued"])
+        self.set_vocabulary(state.get("vocabulary"))  # absent from checkpoints before it existed: every row
         self._graph = None  # the optimizer's state tensors are new: capture again
 
 

@@ -241,6 +241,11 @@ class RolloutEngine:
     def _hf(self) -> Any:  # the HF model decoded (the policy unwrapped, or its copy in `dtype`)
         return self._copy.module if self._copy is not None else unwrap_model(self._model)
 
+    def draft_vocab_ids(self) -> torch.Tensor | None:
+        """The token ids an EAGLE drafter drafts from in the next ``generate`` (``(Vd,)`` long, on the
+        CPU), or ``None`` when it drafts from the whole vocabulary (`SpeculativeConfig.draft_vocab_size`)."""
+        return None if self._vocab.full else self._vocab.ids()
+
     @property
     def inference_copy(self) -> InferenceCopy | None:
         """The policy's parameters in the engine's ``dtype`` (``None``: the engine reads the policy)."""

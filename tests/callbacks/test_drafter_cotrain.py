@@ -8,6 +8,7 @@ low-entropy behaviour in no time (an SFT warm start takes minutes on two busy co
 from __future__ import annotations
 
 import csv
+import dataclasses
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -369,12 +370,12 @@ class HeadWatch(Callback):
         self.read: list[tuple[int, torch.Tensor]] = []
         original = DrafterTrainer.head_logits
 
-        def head_logits(drafter: EagleDrafter, features: torch.Tensor) -> torch.Tensor:
+        def head_logits(learner: DrafterTrainer, drafter: EagleDrafter, features: torch.Tensor) -> torch.Tensor:
             if torch.is_grad_enabled():  # a train step (evaluations run without grad)
                 self.read.append((len(self.before_update), drafter.lm_head_weight.clone()))
-            return original(drafter, features)
+            return original(learner, drafter, features)
 
-        monkeypatch.setattr(DrafterTrainer, "head_logits", staticmethod(head_logits))
+        monkeypatch.setattr(DrafterTrainer, "head_logits", head_logits)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object,
                              batch_idx: int) -> None:  # fmt: skip
@@ -418,13 +419,16 @@ def _weights_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("draft_vocab", [None, 48], ids=["whole_head", "draft_vocab_48"])
+def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path: Path, draft_vocab: int | None) -> None:
     """Checkpoint every RL step; a run killed after step 2 and resumed makes the same drafter updates
     (the replay buffer's contents are in the checkpoint) and, drafting with the same published
-    drafter, the same rollouts: policy and drafter weights bit-equal at the end."""
+    drafter, the same rollouts: policy and drafter weights bit-equal at the end. With a draft
+    vocabulary (48 of the 128 ids) the loss's head rows are in the checkpoint too."""
+    spec = EAGLE if draft_vocab is None else dataclasses.replace(EAGLE, draft_vocab_size=draft_vocab)
 
     def run(max_steps: int, ckpt_dir: Path, ckpt_path: Path | None = None) -> tuple[GRPOModule, DrafterCoTrainCallback]:
-        module, data = make(speculative=EAGLE)
+        module, data = make(speculative=spec)
         cb = callback()
         ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=1, save_top_k=-1)
         trainer(tmp_path, max_steps, [cb, ckpt], logger=False).fit(module, datamodule=data, ckpt_path=ckpt_path)
@@ -442,6 +446,11 @@ def test_kill_and_resume_equals_the_uninterrupted_run(tmp_path: Path) -> None:
         for name, value in _weights_of(theirs).items():
             assert torch.equal(mine.state_dict()[name], value), name
     assert resumed_cb.evaluations[-1] == full_cb.evaluations[-1]
+    if draft_vocab is not None:  # the loss compared the rows the engine drafts from
+        vocab = full_cb.learner.vocabulary
+        assert vocab is not None and vocab.numel() == draft_vocab
+        assert torch.equal(resumed_cb.learner.vocabulary, vocab)
+        assert torch.equal(full_cb.engine().draft_vocab_ids(), vocab)
 
 
 def test_checkpoint_restore_and_export(tmp_path: Path) -> None:
@@ -622,3 +631,17 @@ def test_a_checkpoint_of_the_first_callback_still_loads() -> None:
     assert cb.buffer.summary()["added"] == 40 and len(cb.buffer) == 0
     fill_buffer(cb, policy, rollouts(policy, PROMPT, 2, 6, seed=1), len(PROMPT))
     assert cb.learner.enqueue(1) == 1 and cb.learner.take_stats()["applied"] == 1
+
+
+def test_bf16_mixed_trainer_cotrains_in_bf16(tmp_path: Path) -> None:
+    # float32 master weights under bf16-mixed: the drafter's step computes in bf16, as the policy's update
+    module, data = make()
+    cb = callback()
+    trainer(tmp_path, 2, [cb], enable_checkpointing=False, logger=False, precision="bf16-mixed").fit(
+        module, datamodule=data
+    )
+    assert cb.learner is not None and cb.learner.compute_dtype == torch.bfloat16
+    assert cb.learner.steps_enqueued > 0 and cb.learner.skipped_nonfinite == 0
+    assert cb.buffer.features is not None and cb.buffer.features.dtype == torch.bfloat16
+    assert module.policy.model.embed_tokens.weight.dtype == torch.float32
+    assert cb.drafter is not None and cb.drafter.fc.weight.dtype == torch.float32

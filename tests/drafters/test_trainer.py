@@ -275,3 +275,70 @@ def test_the_captured_steps_inputs_are_tracked_by_address() -> None:
     head = trainer.drafter._lm_head
     head.weight = torch.nn.Parameter(head.weight.detach().clone())  # a reloaded policy's head: new storage
     assert trainer._addresses() != before
+
+
+def test_compute_dtype_runs_the_heads_of_a_float32_policy_in_bf16() -> None:
+    # float32 master weights under bf16-mixed: the step's full-vocabulary head matmuls run in bf16
+    seen: list[torch.dtype] = []
+
+    class Recording(DrafterTrainer):
+        def head_logits(self, drafter: EagleDrafter, features: torch.Tensor) -> torch.Tensor:
+            out = super().head_logits(drafter, features)
+            seen.append(out.dtype)
+            return out
+
+    policy, seqs, prompts = policy_and_sequences()
+    buf = FeatureReplayBuffer(2048, heldout_fraction=0.0, seed=0)
+    add_policy_features(buf, policy, seqs, prompts)
+    config = DrafterTrainConfig(batch_size=3, max_len=16, pack_segments=4, execution="eager")
+    drafter = EagleDrafter.from_target(policy, generator=torch.Generator().manual_seed(0))
+    default = Recording(drafter, buf, config)
+    assert default.compute_dtype == torch.float32  # the policy's
+    default.enqueue(1)
+    assert seen == [torch.float32, torch.float32]
+    seen.clear()
+    half = Recording(drafter, buf, config, compute_dtype=torch.bfloat16)
+    half.enqueue(2)
+    assert seen == [torch.bfloat16] * 4 and half.skipped_nonfinite == 0
+    assert drafter.fc.weight.dtype == torch.float32  # master weights stay float32
+    seen.clear()
+    default.set_compute_dtype(torch.bfloat16)
+    default.enqueue(1)
+    assert seen == [torch.bfloat16] * 2
+
+
+def test_a_draft_vocabulary_loss_is_the_loss_of_a_drafter_with_only_those_head_rows() -> None:
+    policy, seqs, prompts = policy_and_sequences()
+    buf = FeatureReplayBuffer(2048, heldout_fraction=0.0, seed=0)
+    add_policy_features(buf, policy, seqs, prompts)
+    drafter = EagleDrafter.from_target(policy, generator=torch.Generator().manual_seed(0))
+    config = DrafterTrainConfig(batch_size=3, max_len=16, pack_segments=4, execution="eager")
+    trainer = DrafterTrainer(drafter, buf, config)
+    ids = torch.tensor(sorted(torch.randperm(128, generator=torch.Generator().manual_seed(3))[:40].tolist()))
+    head = torch.nn.Linear(policy.config.hidden_size, 40, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(policy.lm_head.weight[ids])
+    # the same drafter layer over a policy whose head is only those 40 rows
+    narrow = EagleDrafter(drafter.config, policy.model.embed_tokens, head, drafter.inv_freq, drafter.rope_scaling,
+                          drafter.feature_layers)  # fmt: skip
+    narrow.load_state_dict(drafter.state_dict())
+    batch = buf.sample(3, 16)
+    with torch.no_grad():
+        whole = trainer.loss(drafter, batch)
+        expected = trainer.loss(narrow, batch)  # every row of the narrow head
+        trainer.set_vocabulary(ids)
+        restricted = trainer.loss(drafter, batch)
+    assert trainer.vocabulary is not None and torch.equal(trainer.vocabulary, ids)
+    torch.testing.assert_close(restricted.loss, expected.loss)
+    torch.testing.assert_close(restricted.stats["accept_rate"], expected.stats["accept_rate"])
+    assert not torch.allclose(restricted.loss, whole.loss)  # the other 88 rows did count before
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    trainer.enqueue(2)
+    assert trainer.skipped_nonfinite == 0 and any(not torch.equal(before[k], v) for k, v in drafter.state_dict().items())
+    state = trainer.state_dict()
+    trainer.set_vocabulary(None)
+    assert trainer.vocabulary is None
+    trainer.load_state_dict(state)
+    assert torch.equal(trainer.vocabulary, ids)
+    with pytest.raises(ValueError, match=r"token ids in \[0, 128\)"):
+        trainer.set_vocabulary(torch.tensor([0, 128]))
