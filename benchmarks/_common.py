@@ -7,7 +7,9 @@ from typing import Any
 import torch
 
 
-def graph_replay_ms(engine: Any, batch: int, phase: str = "decode", tokens_per_row: int = 1) -> float | None:
+def graph_replay_ms(
+    engine: Any, batch: int, phase: str = "decode", tokens_per_row: int = 1, replays: int = 50, warmup: int = 3
+) -> float | None:
     """GPU time of one replay of an engine's captured ``phase`` graph at ``batch``'s bucket (no host loop).
 
     Replays after a finished ``generate``: every row is finished, so the step only rewrites junk
@@ -23,12 +25,12 @@ def graph_replay_ms(engine: Any, batch: int, phase: str = "decode", tokens_per_r
     if not found:
         return None
     graph = found[0]
-    for _ in range(3):
+    for _ in range(warmup):
         graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(50):
+    for _ in range(replays):
         graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / 50
+    return start.elapsed_time(end) / replays
