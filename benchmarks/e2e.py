@@ -391,7 +391,9 @@ class StepRecorder(Callback):
         # measured decode slowdown, the stall time there was
         last = cotrain[0].last_metrics if cotrain else {}
         r["drafter_steps"] = float(last.get("drafter/steps_this_rl_step", float("nan")))
-        r["decode_slowdown"] = float(last.get("drafter/decode_slowdown", float("nan")))
+        r["decode_slowdown"] = float(last.get("drafter/decode_slowdown", float("nan")))  # mean over stall steps
+        r["loaded_stall_share"] = float(last.get("drafter/loaded_stall_share", float("nan")))
+        r["loaded_step_slowdown"] = float(last.get("drafter/loaded_step_slowdown", float("nan")))
         r["stall_time_available_s"] = float(last.get("drafter/stall_time_available_s", float("nan")))
         r["eagle_drafting"] = float(trainer.callback_metrics.get("drafter/eagle_drafting", float("nan")))
         # where a policy that stops being finite went wrong: in the RL update, or at the boundary after it

@@ -529,6 +529,7 @@ class DrafterCoTrainCallback(Callback):
     ) -> None:
         assert self.learner is not None
         w = self._window
+        paced = self.pacer.take_window()
         metrics: dict[str, float] = {
             "drafter/steps": float(self.learner.steps_enqueued),
             "drafter/steps_this_rl_step": stats["applied"] + stats["skipped"],
@@ -536,7 +537,10 @@ class DrafterCoTrainCallback(Callback):
             "drafter/train_time_s": stats["train_time_s"],
             "drafter/stall_events": float(w.stall_events),
             "drafter/stall_time_available_s": w.stall_time_s,
-            "drafter/decode_slowdown": self.pacer.slowdown,
+            # over this RL step's measured stall steps, as measured (the controller caps outliers)
+            "drafter/decode_slowdown": paced["slowdown"],
+            "drafter/loaded_stall_share": paced["loaded_share"],
+            "drafter/loaded_step_slowdown": paced["loaded_slowdown"],
             "drafter/steps_per_event": self.pacer.rate if self.config.max_decode_slowdown is not None
             else float(self.config.max_steps_per_event),
             "drafter/wait_steps": float(w.wait_steps),

@@ -22,6 +22,13 @@ holds for any drafter step that slows an overlapping decode step by up to ``(1 +
 times the cap (105 % at the defaults). Clean baselines are refreshed by probing: when a bucket's
 baseline is missing or old, the pacer queues nothing until the side stream has drained, and the
 next step of that bucket is clean.
+
+What it reports is kept apart from what steers it: `take_window` gives, since its last call, the
+mean slowdown of stall steps with every observation as measured (clean steps 0, nothing capped),
+the share of stall steps that ran beside drafter work and their median slowdown. On the H200 a
+float32 drafter step slowed the decode steps beside it 6x (`benchmarks/drafter_step.py`): each
+such observation was capped at 105 % for the controller, and its moving average, read at the end
+of a rollout (the last few stall steps), said 2 %.
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ class StallPacer:
     _loaded: bool = False  # drafter work may overlap the step the next event reports
     _clean: dict[tuple[str, int, int], float] = field(default_factory=dict)
     _since_clean: dict[tuple[str, int, int], int] = field(default_factory=dict)
+    _window: list[float] = field(default_factory=list)  # uncapped observations since `take_window`
+    _window_loaded: list[float] = field(default_factory=list)  # the loaded steps' among them
 
     def __post_init__(self) -> None:
         if self.max_per_event < 0:
@@ -110,6 +119,9 @@ class StallPacer:
             self._since_clean[key] = self._since_clean.get(key, 0) + 1
             observed = step_time_s / clean - 1.0 if clean else float("nan")
         if observed == observed:  # a comparable clean baseline exists
+            self._window.append(observed)
+            if self._loaded:
+                self._window_loaded.append(observed)
             observed = min(observed, (1 + self.max_penalty) * self.max_slowdown)  # one outlier weighs this much
             self.slowdown = (1 - a) * self.slowdown + a * observed
             step = self.gain * (self.max_slowdown - observed) / self.max_slowdown
@@ -122,6 +134,24 @@ class StallPacer:
             self._credit -= n
         self._loaded = in_flight + n > 0
         return n
+
+    def take_window(self) -> dict[str, float]:
+        """Since the last call (then reset): ``slowdown``, the mean relative slowdown of the measured
+        stall steps (clean ones 0, uncapped: what the cap bounds, as it happened); ``loaded_share``,
+        the share of them that ran beside drafter work; ``loaded_slowdown``, those steps' median
+        slowdown (NaN when none ran beside drafter work)."""
+        window, loaded = self._window, sorted(self._window_loaded)
+        self._window, self._window_loaded = [], []
+        n = len(window)
+        median = float("nan")
+        if loaded:
+            mid = len(loaded) // 2
+            median = loaded[mid] if len(loaded) % 2 else 0.5 * (loaded[mid - 1] + loaded[mid])
+        return {
+            "slowdown": sum(window) / n if n else 0.0,
+            "loaded_share": len(loaded) / n if n else 0.0,
+            "loaded_slowdown": median,
+        }
 
     def queued(self, accepted: int, in_flight: int) -> None:
         """What the learner accepted of the last `plan` (fewer when its queue is full or its buffer
