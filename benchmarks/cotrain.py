@@ -28,6 +28,12 @@ GPU (one call of about 8 minutes on an H200)::
 
     python benchmarks/cotrain.py --task countdown --size 100m --time-budget-s 450
 
+At 0.5 B on the long-tail workload, from the warm starts `benchmarks/e2e.py` cached on the machine
+(each finished arm is kept, so a second call with the same settings runs the arms left)::
+
+    python benchmarks/cotrain.py --task countdown_search --difficulty 3 --size 0.5b --max-new 4096 --k 0 \
+        --policy-dir .cache/lightning_tlt/countdown_search-qwen2-0.5b-d3-... --drafter-dir .cache/e2e/drafter-.../drafter
+
 CPU smoke check (about a minute; writes under ``runs/benchmarks/``, git-ignored)::
 
     python benchmarks/cotrain.py --smoke
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import json
 import platform
 import statistics
@@ -107,8 +114,17 @@ class Recorder(Callback):
             trainer.should_stop = True
 
 
+def mixed(args: argparse.Namespace, device: str) -> bool:
+    """Float32 master weights trained under ``bf16-mixed`` (rollouts from the engine's bf16 copy), as the e2e trains."""
+    return device == "cuda" and args.master_weights == "float32"
+
+
 def build_policy(args: argparse.Namespace, device: str) -> torch.nn.Module:
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = torch.bfloat16 if device == "cuda" and not mixed(args, device) else torch.float32
+    if args.policy_dir:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(args.policy_dir, dtype=dtype).to(device)
     if args.sft_steps > 0:
         from lightning_tlt.rl.warmstart import warm_start
 
@@ -124,7 +140,11 @@ def build_policy(args: argparse.Namespace, device: str) -> torch.nn.Module:
 
 
 def warm_drafter(args: argparse.Namespace, device: str, out_dir: Path) -> dict[str, Any]:
-    """Train the drafter offline on the policy's rollouts of other prompts; save it for every arm."""
+    """Train the drafter offline on the policy's rollouts of other prompts; save it for every arm
+    (``--drafter-dir``: one trained before, e.g. by ``benchmarks/e2e.py``'s warm start, instead)."""
+    if args.drafter_dir:
+        print(f"drafter warm start: reused from {args.drafter_dir}", flush=True)
+        return {"dir": str(args.drafter_dir), "reused": True}
     start = time.perf_counter()
     policy = build_policy(args, device).eval()
     prompts = task_prompts(args.task, args.prompts * 2, difficulty=args.difficulty, seed=args.seed + 1)
@@ -186,6 +206,7 @@ def run_arm(arm: str, args: argparse.Namespace, device: str, drafter_dir: Path, 
     callbacks.append(recorder)  # after the co-training callback: it reads that step's drafter metrics
     trainer = pl.Trainer(
         max_steps=args.steps, accelerator="gpu" if device == "cuda" else "cpu", devices=1, logger=False,
+        precision="bf16-mixed" if mixed(args, device) else None,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
     )  # fmt: skip
@@ -271,6 +292,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sft-steps", type=int, default=400, help="policy warm start (cached); 0: random init")
     p.add_argument("--sft-lr", type=float, default=5e-4,
                    help="policy warm-start peak lr (the tiny sizes' 3e-3 diverged to NaN at 100m on the H200)")
+    p.add_argument("--policy-dir", default=None,
+                   help="a saved warm-started policy (e.g. benchmarks/e2e.py's, under .cache/lightning_tlt/) instead of SFT")
+    p.add_argument("--drafter-dir", default=None,
+                   help="a saved warm-started EAGLE drafter for that policy (e.g. e2e's, under .cache/e2e/) instead of training one")
+    p.add_argument("--master-weights", choices=("float32", "bfloat16"), default="float32",
+                   help="on the GPU: float32 weights under bf16-mixed (as the e2e), or the weights in bf16")
     p.add_argument("--warm-steps", type=int, default=400, help="drafter warm-start steps")
     p.add_argument("--steps", type=int, default=30, help="RL steps per arm (at most)")
     p.add_argument("--time-budget-s", type=float, default=450.0, help="the whole run, warm start included")
@@ -316,14 +343,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise ValueError(f"unknown arms {bad}; allowed: {ARMS}")
     stamp = f"{dt.date.today():%Y%m%d}"
     scratch = ROOT / "runs" / "benchmarks" / f"cotrain_{'smoke' if args.smoke else device}"
+    scratch.mkdir(parents=True, exist_ok=True)
     print(f"warm start ({args.size} {args.task}, device {device}) ...", flush=True)
-    drafter_info = warm_drafter(args, device, scratch / "warm_drafter")
+    drafter_dir = Path(args.drafter_dir) if args.drafter_dir else scratch / "warm_drafter"
+    drafter_info = warm_drafter(args, device, drafter_dir)
+    # each arm is kept as it ends, keyed by the settings: a later call with the same settings runs the
+    # arms not done yet (five arms of 30 long-tail steps at 0.5 B take more than one 10-minute call)
+    settings = {k: v for k, v in vars(args).items() if k not in ("arms", "time_budget_s", "out", "plot")}
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:10]
     runs: dict[str, dict[str, Any]] = {}
-    for i, name in enumerate(names):
+    todo = []
+    for name in names:
+        kept = scratch / f"arm_{name}_{key}.json"
+        if kept.is_file() and not args.smoke:  # a smoke run checks the script: it runs every arm
+            runs[name] = json.loads(kept.read_text())
+            print(f"arm {name}: kept from an earlier call ({kept.name})", flush=True)
+        else:
+            todo.append(name)
+    for i, name in enumerate(todo):
         left = args.time_budget_s - (time.perf_counter() - start)
-        deadline = time.perf_counter() + left / (len(names) - i)
-        print(f"arm {name}: {left / (len(names) - i):.0f} s of {left:.0f} s left", flush=True)
-        runs[name] = run_arm(name, args, device, scratch / "warm_drafter", deadline)
+        deadline = time.perf_counter() + left / (len(todo) - i)
+        print(f"arm {name}: {left / (len(todo) - i):.0f} s of {left:.0f} s left", flush=True)
+        runs[name] = run_arm(name, args, device, drafter_dir, deadline)
+        if runs[name]["rl_steps"] >= args.steps and not args.smoke:  # one cut short by its deadline runs again
+            (scratch / f"arm_{name}_{key}.json").write_text(json.dumps(runs[name], default=float))
+    runs = {name: runs[name] for name in names if name in runs}
     summary = summarize(runs, args.skip, args.window)
     for key, value in summary.items():
         if key != "arms":
