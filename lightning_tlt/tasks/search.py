@@ -76,8 +76,8 @@ class SearchLevel:
 SEARCH_LEVELS: dict[int, SearchLevel] = {
     1: SearchLevel(3, 5, "+-", abandon="first"),  # the CPU demo: a tiny model learns it in a minute or two
     2: SearchLevel(3, 9, abandon="first"),
-    3: SearchLevel(4, 5, give_up=0.4),
-    4: SearchLevel(4, 9, give_up=0.4),  # the GPU workload: p50 of a few hundred tokens, a tail of thousands
+    3: SearchLevel(4, 5, give_up=0.4),  # the GPU workload (benchmarks/e2e.py, configs/grpo_gpu_*.yaml)
+    4: SearchLevel(4, 9, give_up=0.4),  # p50 of a few hundred tokens, a tail of thousands (0.5 B: correctness 0 after SFT)
     5: SearchLevel(4, 20, give_up=0.4),
 }
 """Difficulty levels: more numbers make the tree deeper (and the tail far longer), larger ones
