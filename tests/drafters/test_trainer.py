@@ -344,17 +344,17 @@ def test_a_draft_vocabulary_loss_is_the_loss_of_a_drafter_with_only_those_head_r
         trainer.set_vocabulary(torch.tensor([0, 128]))
 
 
-def test_the_window_reports_the_slowdown_the_controller_caps() -> None:
-    """Drafter work that slows the decode steps beside it 6x (a float32 drafter step at 0.5 B on the
-    H200): the controller counts each such step as 105 % at most and settles near 5 % of stall steps
-    loaded, so the true mean slowdown is about 5 x 5 % = 24 %. `take_window` reports that, as measured."""
+def test_the_cap_holds_for_drafter_work_that_slows_decode_several_fold() -> None:
+    """Drafter work that slows every decode step beside it 6x (a float32 drafter step at 0.5 B on the
+    H200). With a fixed outlier limit of 105 % each such step counted as 105 %, the controller settled
+    near one loaded stall step in 21 and the mean slowdown was about 5 x 1/21 = 24 % (measured in
+    this simulation: 0.245); judged against the usual loaded observation, they count in full and the
+    mean slowdown settles at the cap. `take_window` reports it as measured, nothing limited."""
     pacer, loaded = StallPacer(max_per_event=4, max_slowdown=0.05), False
-    for _ in range(2000):
+    for _ in range(4000):
         loaded = pacer.plan("decode", 3, 0.004 * (6.0 if loaded else 1.0), 0) > 0
     window = pacer.take_window()
     assert window["loaded_slowdown"] == pytest.approx(5.0)
-    assert 0.03 <= window["loaded_share"] <= 0.08, window  # measured: 0.049 (the fixed point, ~1/21)
     assert window["slowdown"] == pytest.approx(5.0 * window["loaded_share"], rel=1e-6)
-    # measured: 0.245; the moving average of capped observations the callback used to log: 0.012
-    assert window["slowdown"] > 4 * 0.05 and pacer.slowdown < 0.05
+    assert 0.03 <= window["slowdown"] <= 0.08, window  # measured: 0.065, the first loaded steps included (cap 0.05)
     assert pacer.take_window() == {"slowdown": 0.0, "loaded_share": 0.0, "loaded_slowdown": pytest.approx(math.nan, nan_ok=True)}
