@@ -30,14 +30,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
-import json
 import platform
 import statistics
-from pathlib import Path
 from typing import Any
 
 import torch
-from _common import graph_replay_ms
+from _common import graph_replay_ms, write_results
 
 from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig
 from lightning_tlt.drafters.buffer import FeatureReplayBuffer
@@ -47,7 +45,6 @@ from lightning_tlt.drafters.trainer import DrafterTrainConfig, DrafterTrainer
 from lightning_tlt.models.zoo import build_model
 from lightning_tlt.rollout.engine import RolloutEngine
 
-ROOT = Path(__file__).resolve().parent.parent
 ARMS = {"fp32_full": (torch.float32, False), "bf16_full": (torch.bfloat16, False), "bf16_vocab": (torch.bfloat16, True)}
 
 
@@ -159,12 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"| {arm} | {row['step_ms']:.1f} | {row.get('spec_step_ms_beside')} | {row.get('decode_step_ms_beside')} |")
     print(f"alone: EAGLE step {summary.get('spec_step_ms_alone')} ms, plain step {summary.get('decode_step_ms_alone')} ms")
     print("; ".join(f"{k}: {v:.2f}x" if v else f"{k}: n/a" for k, v in ratios.items()))
-    card = "h200" if cuda and "H200" in results["card"] else ("cuda" if cuda else "cpu")
-    name = "drafter_step_smoke.json" if args.smoke else f"drafter_step_{card}_{dt.datetime.now(dt.timezone.utc):%Y%m%d}.json"
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / ("smoke" if args.smoke else "") / name
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1, default=float))
-    print(f"wrote {out}")
+    write_results(results, "drafter_step", smoke=args.smoke, cuda=cuda, out=args.out)
     return results
 
 

@@ -60,6 +60,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from _common import write_results
 from lightning.pytorch.callbacks import Callback
 
 from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig, StepEvent
@@ -1100,17 +1101,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print_table(results)
     if args.plots and runs:
         results["plots"] = plot(results, runs, Path(args.plots))
-    card = "h200" if "H200" in results["card"] else ("cuda" if cuda else "cpu")
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d")
-    name = "e2e_smoke.json" if args.smoke else f"e2e_{card}_{stamp}.json"
-    out = (
-        Path(args.out)
-        if args.out
-        else ROOT / "benchmarks" / "results" / ("smoke" if args.smoke else "") / name
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1, default=float))
-    log(f"wrote {out}")
+    write_results(results, "e2e", smoke=args.smoke, cuda=cuda, out=args.out)
     return results
 
 

@@ -26,22 +26,19 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import platform
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
+from _common import write_results
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lightning_tlt.models.zoo import build_model
 from lightning_tlt.rl.batch import RolloutBatch
 from lightning_tlt.rl.config import GRPOConfig
 from lightning_tlt.rl.grpo import GRPOModule
-
-ROOT = Path(__file__).resolve().parent.parent
 
 STEP_LENGTHS = [
     64, 1129, 62, 64, 129, 4096, 75, 253, 61, 61, 317, 73, 240, 113, 61, 41, 2509, 64, 238, 64, 64, 64, 64, 64, 61,
@@ -206,13 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "summary": summary,
         "ratios": {"tokens_over_rows_update": ratio, "cudnn_attention_speedup": cudnn},
     }
-    card = "h200" if "H200" in results["card"] else ("cuda" if cuda else "cpu")
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d")
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / ("smoke" if args.smoke else "") / (
-        "train_step_smoke.json" if args.smoke else f"train_step_{card}_{stamp}.json")  # fmt: skip
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1, default=float))
-    print(f"wrote {out}")
+    write_results(results, "train_step", smoke=args.smoke, cuda=cuda, out=args.out)
     return results
 
 
