@@ -43,7 +43,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_tlt.core.runner import unwrap_model
-from lightning_tlt.core.types import StepEvent
+from lightning_tlt.core.types import StepEvent, mixed_precision_dtype
 from lightning_tlt.drafters.buffer import FeatureReplayBuffer
 from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.drafters.loss import expected_acceptance_length
@@ -163,11 +163,6 @@ def publish_drafter(engine: Any, drafter: EagleDrafter, version: int) -> EagleDr
     return current
 
 
-def precision_dtype(precision: str) -> torch.dtype | None:
-    """The half dtype a Lightning ``precision`` computes in (``"bf16-mixed"``: bf16), else ``None``."""
-    return {"bf16": torch.bfloat16, "16": torch.float16}.get(str(precision).split("-")[0])
-
-
 def _same_layout(a: EagleDrafter, b: EagleDrafter) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
     return sa.keys() == sb.keys() and all(sa[k].shape == sb[k].shape for k in sa)
@@ -284,7 +279,7 @@ class DrafterCoTrainCallback(Callback):
                 f"DrafterCoTrainCallback needs a LightningModule that hands over the policy's features "
                 f"(lightning_tlt.rl.common.PolicyFeatureSource, e.g. GRPOModule), got {type(pl_module).__name__}"
             )
-        drafter = self.setup_drafter(cast(torch.nn.Module, pl_module.policy), precision_dtype(trainer.precision))
+        drafter = self.setup_drafter(cast(torch.nn.Module, pl_module.policy), mixed_precision_dtype(trainer.precision))
         pl_module.request_policy_features(True)
         engine = self.engine(trainer)
         if not self._warm_started and self.config.warm_start == "sft":

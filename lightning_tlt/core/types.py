@@ -15,6 +15,7 @@ import torch
 
 __all__ = [
     "DTYPES",
+    "mixed_precision_dtype",
     "Phase",
     "FinishReason",
     "SamplingConfig",
@@ -28,6 +29,12 @@ __all__ = [
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """The parameter dtypes configurations name (a policy's ``dtype``, an engine's ``dtype``)."""
+
+
+def mixed_precision_dtype(precision: object) -> torch.dtype | None:
+    """The dtype a Lightning mixed ``precision`` computes in (``"bf16-mixed"``: bfloat16,
+    ``"16-mixed"``: float16) over float32 master weights; ``None`` for any other precision."""
+    return {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(precision))
 
 Phase = Literal["prefill", "decode", "speculative", "done"]
 FinishReason = Literal["stop", "length"]

@@ -28,6 +28,7 @@ from lightning_tlt.core.types import (
     SamplingConfig,
     SpeculativeConfig,
     StepListener,
+    mixed_precision_dtype,
 )
 from lightning_tlt.data.rewards import OnRewardError, RewardFunc, compute_rewards, reward_func_name
 from lightning_tlt.rl.advantages import combine_rewards, group_advantages, nanstd, normalize_scale_rewards
@@ -292,14 +293,6 @@ class RolloutDataModule(pl.LightningDataModule):
             raise RuntimeError("RolloutDataModule has no policy: attach it to a Trainer or call prepare(policy=...)")
         return self._policy
 
-    def _mixed_precision_dtype(self) -> str | None:
-        """The dtype a ``bf16-mixed`` / ``16-mixed`` Trainer computes in (``None`` for any other, or
-        no Trainer): the native engine's default ``dtype`` then, so a float32 policy (its master
-        weights) rolls out in it (`lightning_tlt.rollout.inference_copy`) instead of in float32."""
-        trainer = getattr(self, "trainer", None)
-        precision = str(getattr(trainer, "precision", "")) if trainer is not None else ""
-        return {"bf16-mixed": "bfloat16", "16-mixed": "float16"}.get(precision)
-
     @property
     def engine(self) -> RolloutBackend:
         """The rollout engine (``engine`` says which), created on first use on the policy's device."""
@@ -313,9 +306,11 @@ class RolloutDataModule(pl.LightningDataModule):
                 speculative=self.speculative,
                 **self.engine_kwargs,
             )
-            rollout_dtype = self._mixed_precision_dtype()
+            # under a bf16-mixed / 16-mixed Trainer a float32 policy (its master weights) rolls out from
+            # the engine's copy in the autocast dtype (`lightning_tlt.rollout.inference_copy`), not in float32
+            rollout_dtype = mixed_precision_dtype(getattr(getattr(self, "trainer", None), "precision", None))
             if rollout_dtype is not None and self.engine_kind == "native" and "dtype" not in kwargs:
-                kwargs["dtype"] = rollout_dtype  # float32 master weights, rollouts in the autocast dtype
+                kwargs["dtype"] = rollout_dtype
             self._engine = make_engine(self.engine_kind, self.policy, tokenizer=self.tokenizer, **kwargs)
             for fn in self._listeners:
                 self._engine.add_listener(fn)
