@@ -323,6 +323,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", default=None, help="PNG path (default: docs/img/, or runs/ with --smoke)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: a check of the script")
     args = p.parse_args(argv)
+    for flag, path in (("--policy-dir", args.policy_dir), ("--drafter-dir", args.drafter_dir)):
+        if path is not None and not (Path(path) / "config.json").is_file():
+            p.error(f"{flag} {path!r} is not a saved model directory (no config.json in it)")
     if args.smoke:
         args.task, args.difficulty, args.size, args.sft_steps, args.warm_steps = "arithmetic", 1, "tiny", 0, 20
         args.steps, args.skip, args.window, args.prompts, args.generations, args.max_new = 12, 1, 2, 2, 4, 16
