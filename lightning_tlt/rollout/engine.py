@@ -25,6 +25,7 @@ slower, no graphs, same contract.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import warnings
@@ -51,7 +52,12 @@ from lightning_tlt.core.types import (
 )
 from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.drafters.suffix import SuffixDrafter
-from lightning_tlt.rollout.cuda_graphs import CUDAGraphBackend, CUDAGraphProfileCache, GraphProfile
+from lightning_tlt.rollout.cuda_graphs import (
+    DEFAULT_BUCKETS,
+    CUDAGraphBackend,
+    CUDAGraphProfileCache,
+    GraphProfile,
+)
 from lightning_tlt.rollout.gate import AdaptiveGate
 from lightning_tlt.rollout.hf_fallback import generate_hf
 from lightning_tlt.rollout.inference_copy import InferenceCopy, resolve_dtype
@@ -59,7 +65,7 @@ from lightning_tlt.rollout.scheduler import Request, SlotScheduler
 from lightning_tlt.rollout.slot_state import MAX_STOP_IDS, SlotState
 from lightning_tlt.rollout.spec_metrics import SpeculationMetrics
 from lightning_tlt.rollout.spec_step import DraftVocabulary, SpeculativeStep, StepContext
-from lightning_tlt.rollout.steps import SamplingKey, allow_recompiles, decode_update
+from lightning_tlt.rollout.steps import SamplingKey, allow_recompiles, compile_settings, decode_update
 from lightning_tlt.rollout.tuner import DraftLengthTuner
 
 CPU_DEFAULT_SLOTS = 16
@@ -502,8 +508,13 @@ class RolloutEngine:
             use_graphs = False
         self._gen = self._gen if self._gen is not None and self._gen.device == device else torch.Generator(device)
         backend = CUDAGraphBackend(device, generators=[self._gen]) if use_graphs else None
-        self._graphs = CUDAGraphProfileCache(backend, max_batch=slots, memory_budget_bytes=self._graph_memory_budget)
         use_compile = on_cuda if self._compile is None else self._compile
+        # compiled, a lone row is padded to two: Dynamo specialises size 1 even under dynamic=True, so a
+        # batch-1 step would compile every step function again when the tail first runs down to one row
+        buckets = tuple(b for b in DEFAULT_BUCKETS if b > 1) if use_compile and slots > 1 else DEFAULT_BUCKETS
+        self._graphs = CUDAGraphProfileCache(
+            backend, buckets=buckets, max_batch=slots, memory_budget_bytes=self._graph_memory_budget
+        )
         self._forward, self._decode_update = self._model_step, decode_update
         self._compiled = use_compile
         if use_compile:
@@ -575,11 +586,13 @@ class RolloutEngine:
                 restore()
                 self._gen.set_state(gen_state)  # type: ignore[union-attr]
 
-            graphs.capture([profile], lambda _: fn, reset)
+            with self._compiling():
+                graphs.capture([profile], lambda _: fn, reset)
             reset()
             self._captures += 1  # this step's time includes the capture: the tuner leaves it out
         try:
-            graphs.run(profile, fn)
+            with self._compiling():
+                graphs.run(profile, fn)
         except Exception as err:
             if not self._compiled:
                 raise
@@ -592,6 +605,10 @@ class RolloutEngine:
                 self._spec_step.use_eager()
             graphs.clear()
             self._run_step(profile, fn)  # fn reads the (now eager) functions at call time
+
+    def _compiling(self) -> contextlib.AbstractContextManager[None]:
+        """Around every call of the steps: compiled, they compile under `compile_settings`."""
+        return compile_settings() if self._compiled else contextlib.nullcontext()
 
     def _kv_len(self, run: _Run, active: Sequence[Request], q: int) -> int | None:
         """The SDPA path's KV bucket: a power of two above every row's length after this step (the

@@ -289,27 +289,59 @@ def test_every_step_shape_of_a_speculating_engine_stays_compiled(monkeypatch: py
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
     import torch._dynamo.config as dynamo_config
 
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)  # torch's default, raised by the engine
-    monkeypatch.setattr(dynamo_config, "accumulated_recompile_limit", 256)
-    model = build_model("qwen2", "tiny", seed=0)
-    config = SpeculativeConfig(method="eagle", threshold=16, hysteresis_steps=1, draft_vocab_size=64)
-    engine = RolloutEngine(model, max_seq_len=64, max_batch_size=16, compile=True, speculative=config)
-    engine._ensure_buffers()
-    assert engine._spec_step is not None and engine._state is not None and engine._cache is not None
-    engine._spec_step.begin(model.lm_head)
-    st = engine._state
-    st.begin([], 20)
-    st.finished[:] = False
-    st.positions.fill_(10)
-    drafter = engine.drafter
-    assert drafter is not None
-    st.ensure_drafter_cache(drafter.num_kv_heads, drafter.head_dim, engine._cache.max_seq_len, drafter.fc.weight.dtype)
-    key = SamplingKey(1.0, 0, 1.0)
-    for batch in (16, 8, 4, 2, 1):
-        for k in (8, 2, 4, 6):
-            for width in (1, 3, 5, 9):
-                engine._spec_step._eagle_step(engine._context(), batch, k, width, key, drafter, None)
-    assert dynamo_config.recompile_limit >= 64 and engine.compile_failures == []
+    # torch's default limit, raised by the engine (config.patch restores it; pytest's monkeypatch deletes it)
+    with dynamo_config.patch(recompile_limit=8, accumulated_recompile_limit=256):
+        model = build_model("qwen2", "tiny", seed=0)
+        config = SpeculativeConfig(method="eagle", threshold=16, hysteresis_steps=1, draft_vocab_size=64)
+        engine = RolloutEngine(model, max_seq_len=64, max_batch_size=16, compile=True, speculative=config)
+        engine._ensure_buffers()
+        assert engine._spec_step is not None and engine._state is not None and engine._cache is not None
+        engine._spec_step.begin(model.lm_head)
+        st = engine._state
+        st.begin([], 20)
+        st.finished[:] = False
+        st.positions.fill_(10)
+        drafter = engine.drafter
+        assert drafter is not None
+        st.ensure_drafter_cache(drafter.num_kv_heads, drafter.head_dim, engine._cache.max_seq_len, drafter.fc.weight.dtype)
+        key = SamplingKey(1.0, 0, 1.0)
+        for batch in (16, 8, 4, 2, 1):
+            for k in (8, 2, 4, 6):
+                for width in (1, 3, 5, 9):
+                    engine._spec_step._eagle_step(engine._context(), batch, k, width, key, drafter, None)
+        assert dynamo_config.recompile_limit >= 64 and engine.compile_failures == []
+
+
+def test_a_speculating_engine_compiles_its_steps_in_the_first_rollout_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    # measured on the H200: one RL step spent 53 s compiling when the tail first ran down to one row
+    # (Dynamo specialises size 1) and first broke a size equality duck sizing had assumed (batch ==
+    # slots, k == its maximum). Buckets start at 2 when compiled and duck sizing is off around the
+    # steps: every version is compiled in the first call (Dynamo's guards; backend="eager" for speed)
+    from torch._dynamo.utils import counters
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
+    torch._dynamo.reset()
+    policy = build_model("qwen2", "tiny", seed=0)
+    spec = SpeculativeConfig(method="eagle", threshold=16, hysteresis_steps=1)
+    engine = RolloutEngine(policy, max_batch_size=16, max_seq_len=160, compile=True, use_cuda_graphs=False,
+                           speculative=spec)  # fmt: skip
+    engine.set_drafter(EagleDrafter.from_target(policy, generator=torch.Generator().manual_seed(1)))
+    prompts = [[3, 17, 25, 9, 40, 11][: 3 + i % 4] for i in range(8)]
+    lone: list[int] = []  # steps at one active row, per call
+    engine.add_listener(lambda event: lone.__setitem__(-1, lone[-1] + (event.active_rows == 1)))
+    compiled = []
+    for call in range(3):
+        lone.append(0)
+        before = counters["stats"]["unique_graphs"]
+        sampling = SamplingConfig(temperature=1.0, max_new_tokens=60 + 30 * call, stop_token_ids=[5])
+        engine.generate(prompts, sampling, num_samples=2, generator=torch.Generator().manual_seed(call))
+        compiled.append(counters["stats"]["unique_graphs"] - before)
+        assert engine.last_stats["spec/steps"] > 0
+    assert all(n > 0 for n in lone[1:]), f"the later calls' tails ran down to a lone row: {lone}"
+    assert engine._graphs is not None and engine._graphs.buckets[0] == 2
+    assert compiled[0] > 0 and compiled[1:] == [0, 0], compiled
+    assert engine.compile_failures == []
 
 
 def test_a_step_error_is_raised_not_retried_as_a_compiler_failure(monkeypatch: pytest.MonkeyPatch) -> None:
