@@ -57,7 +57,7 @@ def compile_settings() -> contextlib.AbstractContextManager[None]:
     """
     import torch.fx.experimental._config as fx_config
 
-    return cast(contextlib.AbstractContextManager[None], fx_config.patch(use_duck_shape=False))
+    return cast(contextlib.AbstractContextManager[None], fx_config.patch(use_duck_shape=False))  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
