@@ -185,7 +185,7 @@ def run_arm(arm: str, args: argparse.Namespace, device: str, drafter_dir: Path, 
     policy = build_policy(args, device)
     config = GRPOConfig(
         num_generations=args.generations, max_completion_length=args.max_new, temperature=1.0,
-        learning_rate=args.lr, lr_scheduler_type="constant", beta=0.0,
+        learning_rate=args.lr, lr_scheduler_type="constant", beta=0.0, micro_batch_tokens=args.micro_batch_tokens,
     )  # fmt: skip
     speculative = None
     if arm != "nospec":
@@ -307,6 +307,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--max-new", type=int, default=512)
     p.add_argument("--lr", type=float, default=1e-5, help="policy learning rate")
+    p.add_argument("--micro-batch-tokens", type=int, default=16384,
+                   help="most padded tokens per training forward (the update packed by tokens, as the e2e's)")
     p.add_argument("--k", type=int, default=4, help="drafted tokens per speculative step (0: the tuner picks)")
     p.add_argument("--threshold", type=int, default=32, help="speculation gate (active rows)")
     p.add_argument("--stall-threshold", type=int, default=32, help="active rows at or below which decode is a stall")
