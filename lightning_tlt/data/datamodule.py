@@ -611,11 +611,14 @@ def engine_metrics(stats: dict[str, float]) -> dict[str, float]:
     ``spec/fraction`` is the share of decode steps that speculated and ``spec/accept_len`` the
     mean tokens accepted per speculative row-step (the engine's ``spec/acceptance_length``); the
     engine's other ``spec/*`` figures pass through (per-position acceptance rates excepted).
+    ``rollout/warm_up_s``: only in a call that compiled its step profiles first (the first one, and
+    the first after a new drafter took over).
     """
     m: dict[str, float] = {}
     for key, name in (("tokens_per_s", "rollout/tokens_per_s"), ("wall_time_s", "rollout/time_s"),
                       ("steps", "rollout/steps"), ("tokens_per_s/decode", "rollout/tokens_per_s_decode"),
-                      ("tokens_per_s/speculative", "rollout/tokens_per_s_speculative")):
+                      ("tokens_per_s/speculative", "rollout/tokens_per_s_speculative"),
+                      ("warm_up_s", "rollout/warm_up_s")):
         if key in stats:
             m[name] = float(stats[key])
     decode, spec = stats.get("steps_decode", 0.0), stats.get("steps_speculative", 0.0)

@@ -312,36 +312,60 @@ def test_every_step_shape_of_a_speculating_engine_stays_compiled(monkeypatch: py
         assert dynamo_config.recompile_limit >= 64 and engine.compile_failures == []
 
 
-def test_a_speculating_engine_compiles_its_steps_in_the_first_rollout_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    # measured on the H200: one RL step spent 53 s compiling when the tail first ran down to one row
-    # (Dynamo specialises size 1) and first broke a size equality duck sizing had assumed (batch ==
-    # slots, k == its maximum). Buckets start at 2 when compiled and duck sizing is off around the
-    # steps: every version is compiled in the first call (Dynamo's guards; backend="eager" for speed)
+def test_a_compiled_engine_compiles_a_new_drafters_steps_before_its_first_rollout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # measured on the H200: one RL step spent 46-53 s compiling the EAGLE step's profiles in the middle
+    # of the first rollout after the drafter took over (Dynamo specialises size 1, duck sizing assumed
+    # batch == slots, k + 1 == the catch-up width). Buckets start at 2 when compiled, duck sizing is
+    # off around the steps, and every profile the gate and tuner allow is compiled before the first
+    # prompt of a call that meets a new drafter: later calls compile nothing (Dynamo's guards;
+    # backend="eager" for speed), and the warm-up draws nothing the rollouts see
     from torch._dynamo.utils import counters
 
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
     torch._dynamo.reset()
     policy = build_model("qwen2", "tiny", seed=0)
-    spec = SpeculativeConfig(method="eagle", threshold=16, hysteresis_steps=1)
-    engine = RolloutEngine(policy, max_batch_size=16, max_seq_len=160, compile=True, use_cuda_graphs=False,
+    spec = SpeculativeConfig(method="suffix", threshold=16)  # as the e2e's a: suffix first, EAGLE handed over
+    engine = RolloutEngine(policy, max_batch_size=32, max_seq_len=200, compile=True, use_cuda_graphs=False,
                            speculative=spec)  # fmt: skip
-    engine.set_drafter(EagleDrafter.from_target(policy, generator=torch.Generator().manual_seed(1)))
     prompts = [[3, 17, 25, 9, 40, 11][: 3 + i % 4] for i in range(8)]
     lone: list[int] = []  # steps at one active row, per call
     engine.add_listener(lambda event: lone.__setitem__(-1, lone[-1] + (event.active_rows == 1)))
-    compiled = []
-    for call in range(3):
+    compiled, outputs = [], []
+    for call in range(5):
+        if call == 1:
+            engine.set_drafter(EagleDrafter.from_target(policy, generator=torch.Generator().manual_seed(1)))
         lone.append(0)
         before = counters["stats"]["unique_graphs"]
-        sampling = SamplingConfig(temperature=1.0, max_new_tokens=60 + 30 * call, stop_token_ids=[5])
-        engine.generate(prompts, sampling, num_samples=2, generator=torch.Generator().manual_seed(call))
+        sampling = SamplingConfig(temperature=1.0, max_new_tokens=60 + 30 * (call % 3), stop_token_ids=[5])
+        out = engine.generate(prompts, sampling, num_samples=4, generator=torch.Generator().manual_seed(call))
         compiled.append(counters["stats"]["unique_graphs"] - before)
-        assert engine.last_stats["spec/steps"] > 0
-    assert all(n > 0 for n in lone[1:]), f"the later calls' tails ran down to a lone row: {lone}"
+        outputs.append((out.completion_ids, dict(engine.last_stats)))
+    assert sum(lone[1:]) > 0, f"the tails ran down to a lone row: {lone}"
     assert engine._graphs is not None and engine._graphs.buckets[0] == 2
-    assert compiled[0] > 0 and compiled[1:] == [0, 0], compiled
+    assert compiled[0] > 0 and compiled[1] > 0 and compiled[2:] == [0, 0, 0], compiled
+    assert all(stats.get("spec/steps", 0) > 0 for _, stats in outputs[1:3]), "EAGLE speculated"
+    warmed = ["warm_up_s" in stats for _, stats in outputs]
+    assert warmed == [True, True, False, False, False], warmed  # first call; the new drafter's first
+    assert outputs[1][1]["warm_up_captures"] == 0  # no graphs on the CPU: compiled only
     assert engine.compile_failures == []
+
+
+def test_the_warm_up_draws_nothing_the_rollouts_see(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the warm-up's steps sample from the engine's generator: unrestored, a call that warms up would
+    # sample other rollouts than the same call without (a resumed run would part from the uninterrupted one)
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
+    engine = RolloutEngine(build_model("qwen2", "tiny", seed=0), max_batch_size=8, max_seq_len=64, compile=True)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=24)
+    prompts = [[3, 17, 25], [9, 40, 11, 4]]
+    first = engine.generate(prompts, sampling, num_samples=3, generator=torch.Generator().manual_seed(7))
+    assert "warm_up_s" in engine.last_stats
+    again = engine.generate(prompts, sampling, num_samples=3, generator=torch.Generator().manual_seed(7))
+    assert "warm_up_s" not in engine.last_stats
+    assert first.completion_ids == again.completion_ids
 
 
 def test_a_step_error_is_raised_not_retried_as_a_compiler_failure(monkeypatch: pytest.MonkeyPatch) -> None:
