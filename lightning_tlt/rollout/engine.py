@@ -237,7 +237,7 @@ class RolloutEngine:
         self._speculative_steps = 0
         self._prompt_features: dict[int, Tensor] = {}
         self.last_stats: dict[str, float] = {}
-        self._warmed: set[tuple[Any, ...]] = set()  # (sampling key, drafter handle, graphs) warmed up
+        self._warmed: set[tuple[Any, ...]] = set()  # (sampling key, drafter handle) warmed up with these graphs
 
     # ------------------------------------------------------------------ read-only properties
     @property
@@ -517,6 +517,7 @@ class RolloutEngine:
         self._graphs = CUDAGraphProfileCache(
             backend, buckets=buckets, max_batch=slots, memory_budget_bytes=self._graph_memory_budget
         )
+        self._warmed.clear()
         self._forward, self._decode_update = self._model_step, decode_update
         self._compiled = use_compile
         if use_compile:
@@ -544,6 +545,7 @@ class RolloutEngine:
         ptrs = tuple(p.data_ptr() for p in self._hf.parameters())
         if ptrs != self._param_ptrs and self._graphs is not None:
             self._graphs.clear()
+            self._warmed.clear()
         self._param_ptrs = ptrs
 
     def _model_step(
@@ -778,9 +780,9 @@ class RolloutEngine:
         if not self._compiled:
             return  # uncompiled steps capture in a moment (and key their graphs by KV length)
         eagle = self._spec_step is not None and isinstance(self._drafter, EagleDrafter)
-        token = (key, self._drafter_handle if eagle else None, graphs.enabled)
-        if token in self._warmed and (not graphs.enabled or self._graphs_warm(key, eagle)):
-            return
+        token = (key, self._drafter_handle if eagle else None)
+        if token in self._warmed:
+            return  # (a profile evicted under the graph budget since is captured again when met)
         t0, captures = time.perf_counter(), self._captures
         restore_scratch = st.snapshot()
         assert self._gen is not None
@@ -811,16 +813,6 @@ class RolloutEngine:
         ks = [k for k in self._tuner.candidates if k > 0] if self._tuner is not None else [self.max_draft_tokens]
         limit = self._gate.hard_limit or self._graphs.buckets[-1]
         return [(b, k) for b in self._graphs.buckets if b <= limit for k in ks]
-
-    def _graphs_warm(self, key: SamplingKey, eagle: bool) -> bool:
-        """Every profile `_warm_up` prepares is still captured (none was dropped since)."""
-        assert self._graphs is not None
-        graphs = self._graphs
-        if any(GraphProfile("decode", b, 1, (key, None)) not in graphs for b in graphs.buckets):
-            return False
-        return not eagle or all(
-            GraphProfile("spec", b, k + 1, (key, self._drafter_handle, None)) in graphs for b, k in self._eagle_profiles()
-        )
 
     def _choose_k(self, n: int) -> int:
         """Draft tokens for the next step over ``n`` rows: 0 (plain) unless the gate is on, then the tuner's."""
