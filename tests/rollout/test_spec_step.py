@@ -368,6 +368,41 @@ def test_the_warm_up_draws_nothing_the_rollouts_see(monkeypatch: pytest.MonkeyPa
     assert first.completion_ids == again.completion_ids
 
 
+def test_the_warm_up_captures_every_profile_before_the_rollout_and_leaves_no_trace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the CUDA path on the CPU: a backend that warms up and captures as CUDAGraphBackend does (two
+    # eager runs from the reset state, then the capture). With graphs, every profile is captured in
+    # the warm-up, none during the rollout, and the rollouts equal the same engine's without graphs
+    from test_cuda_graphs import WarmupBackend
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
+    model = build_model("qwen2", "tiny", seed=0)
+    prompts = [[4 + i % 50, 5 + (7 * i) % 60, 6 + i % 3] for i in range(12)]
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=24, stop_token_ids=[7, 9, 11, 13])
+    spec = SpeculativeConfig(method="eagle", draft_candidates=(2, 8), threshold=8, hysteresis_steps=1,
+                             tuner_epsilon=0.5, tuner_min_samples=1)  # fmt: skip
+    drafter = EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(0)).inference_copy()
+    outs, stats = [], []
+    for graphs in (False, True):
+        engine = RolloutEngine(model, max_seq_len=48, max_batch_size=8, speculative=spec, compile=True)
+        engine.drafter = drafter
+        assert engine.tuner is not None
+        engine.tuner.cost_model = lambda k, rows: 1e-3 * (1 + 0.1 * k)  # the same k choices in both runs
+        if graphs:
+            engine._ensure_buffers()
+            assert engine._graphs is not None
+            engine._graphs = CUDAGraphProfileCache(WarmupBackend(), buckets=engine._graphs.buckets, max_batch=8)
+        outs.append(engine.generate(prompts, cfg, num_samples=2, generator=torch.Generator().manual_seed(3)))
+        stats.append(dict(engine.last_stats))
+    assert outs[1].completion_ids == outs[0].completion_ids and outs[1].logprobs == outs[0].logprobs
+    # buckets 2, 4, 8: three plain profiles, and EAGLE at 2, 4, 8 rows x k in (2, 8)
+    assert stats[1]["warm_up_captures"] == 3 + 3 * 2
+    assert stats[1]["graphs_captures"] == stats[1]["warm_up_captures"]  # none while rows decoded
+    assert stats[1]["spec/steps"] > 0 and stats[0]["warm_up_captures"] == 0
+
+
 def test_a_step_error_is_raised_not_retried_as_a_compiler_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     engine = RolloutEngine(build_model("qwen2", "tiny", seed=0), max_seq_len=32, max_batch_size=2, compile=False)
 
