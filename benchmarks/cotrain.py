@@ -29,10 +29,16 @@ GPU (one call of about 8 minutes on an H200)::
     python benchmarks/cotrain.py --task countdown --size 100m --time-budget-s 450
 
 At 0.5 B on the long-tail workload, from the warm starts `benchmarks/e2e.py` cached on the machine
-(each finished arm is kept, so a second call with the same settings runs the arms left)::
+(each finished arm is kept, so a second call with the same settings runs the arms left; on the H200
+cotrain and frozen took 286 s, shadow, cold and nospec 404 s)::
 
     python benchmarks/cotrain.py --task countdown_search --difficulty 3 --size 0.5b --max-new 4096 --k 0 \
         --policy-dir .cache/lightning_tlt/countdown_search-qwen2-0.5b-d3-... --drafter-dir .cache/e2e/drafter-.../drafter
+
+With ``--k 0`` the tuner picks k from measured step times, so ``shadow`` and ``frozen`` part ways
+from the first step and ``decode_slowdown`` compares different rollouts. For that figure run the
+pair with a fixed k (``--arms frozen,shadow --k 4``): the same drafter, generator and k sample the
+same rollouts, and only the tail's speed differs.
 
 CPU smoke check (about a minute; writes under ``runs/benchmarks/``, git-ignored)::
 
