@@ -37,8 +37,8 @@ cotrain and frozen took 286 s, shadow, cold and nospec 404 s)::
 
 With ``--k 0`` the tuner picks k from measured step times, so ``shadow`` and ``frozen`` part ways
 from the first step and ``decode_slowdown`` compares different rollouts. For that figure run the
-pair with a fixed k (``--arms frozen,shadow --k 4``): the same drafter, generator and k sample the
-same rollouts, and only the tail's speed differs.
+pair with a fixed k (``--arms frozen,shadow --k 4``): the same drafter, generator and k should
+sample the same rollouts (not yet checked on the GPU), so that only the tail's speed differs.
 
 CPU smoke check (about a minute; writes under ``runs/benchmarks/``, git-ignored)::
 
