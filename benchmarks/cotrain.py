@@ -232,21 +232,23 @@ def _accept(run: dict[str, Any] | None, start: int, stop: int | None) -> float:
     return float("nan") if run is None else _mean([s["accept_len"] for s in run["steps"][start:stop]])
 
 
-def _tail_tps(run: dict[str, Any] | None, skip: int) -> float:
+def _tail_tps(run: dict[str, Any] | None, skip: int, stop: int | None = None) -> float:
     if run is None:
         return float("nan")
-    steps = run["steps"][skip:] or run["steps"]
+    steps = run["steps"][skip:stop] or run["steps"][:stop]
     seconds = sum(s["tail_s"] for s in steps)
     return sum(s["tail_tokens"] for s in steps) / seconds if seconds > 0 else float("nan")
 
 
 def summarize(runs: dict[str, dict[str, Any]], skip: int, window: int) -> dict[str, Any]:
     """The issue's summary keys, and per-arm means over the steps after ``skip`` (captures happen first)."""
-    cotrain, frozen, cold = runs.get("cotrain"), runs.get("frozen"), runs.get("cold")
+    cotrain, frozen, cold, shadow = runs.get("cotrain"), runs.get("frozen"), runs.get("cold"), runs.get("shadow")
+    common = min(len(shadow["steps"]), len(frozen["steps"])) if shadow and frozen else None
     drafter_steps = [s.get("steps_this_rl_step", 0.0) for s in (cotrain or {"steps": []})["steps"][1:]]
     summary: dict[str, Any] = {
         "drafter_steps_per_rl_step": _mean(drafter_steps),
-        "decode_slowdown": _tail_tps(runs.get("shadow"), skip) / _tail_tps(frozen, skip),
+        # over the RL steps both arms ran (an arm cut short by its time share ran fewer)
+        "decode_slowdown": _tail_tps(shadow, skip, common) / _tail_tps(frozen, skip, common),
         "accept_len_first": _accept(cotrain, 0, 1),
         "accept_len_last": _accept(cotrain, -window, None),
         "frozen_accept_len_last": _accept(frozen, -window, None),
