@@ -38,8 +38,8 @@ last few stall steps): 2 % in the run above.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -130,7 +130,7 @@ class StallPacer:
             usual = self.max_slowdown
             if self._loaded:
                 self._window_loaded.append(observed)
-                usual = max(usual, _median(self._recent)) if self._recent else usual
+                usual = max(usual, statistics.median(self._recent)) if self._recent else usual
                 self._recent.append(observed)
             observed = min(observed, (1 + self.max_penalty) * usual)  # one outlier weighs this much
             self.slowdown = (1 - a) * self.slowdown + a * observed
@@ -156,7 +156,7 @@ class StallPacer:
         return {
             "slowdown": sum(window) / n if n else 0.0,
             "loaded_share": len(loaded) / n if n else 0.0,
-            "loaded_slowdown": _median(loaded) if loaded else float("nan"),
+            "loaded_slowdown": statistics.median(loaded) if loaded else float("nan"),
         }
 
     def queued(self, accepted: int, in_flight: int) -> None:
@@ -170,8 +170,3 @@ class StallPacer:
         only by what is still in flight."""
         self._loaded = in_flight > 0
 
-
-def _median(values: Iterable[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])

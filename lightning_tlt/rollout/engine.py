@@ -579,6 +579,11 @@ class RolloutEngine:
         noise = None if sampling.greedy else exponential_noise((batch, logits.shape[-1]), self._gen, logits.device)
         self._decode_update(st, batch, logits, hidden, noise, sampling)
 
+    def _run_plain(self, batch: int, sampling: SamplingKey, kv_len: int | None) -> None:
+        """The plain decode step over ``batch`` slots, from its profile's graph."""
+        self._run_step(GraphProfile("decode", batch, 1, (sampling, kv_len)),
+                       functools.partial(self._decode_step, batch, sampling, kv_len))  # fmt: skip
+
     def _run_step(self, profile: GraphProfile, fn: Callable[[], None]) -> None:
         graphs = self._graphs
         assert graphs is not None and self._state is not None and self._gen is not None
@@ -792,8 +797,7 @@ class RolloutEngine:
         st.hidden.zero_()
         restore = st.snapshot()
         for batch in graphs.buckets:
-            self._run_step(GraphProfile("decode", batch, 1, (key, None)),
-                           functools.partial(self._decode_step, batch, key, None))  # fmt: skip
+            self._run_plain(batch, key, None)
             restore()
         if eagle:
             assert self._spec_step is not None
@@ -832,8 +836,7 @@ class RolloutEngine:
         kv_len = self._kv_len(run, active, 1)
         timing = self._tuner.start(0, n) if self._tuner is not None and self._gate is not None and self._gate.on else None
         captures = self._captures
-        self._run_step(GraphProfile("decode", batch, 1, (key, kv_len)),
-                       functools.partial(self._decode_step, batch, key, kv_len))
+        self._run_plain(batch, key, kv_len)
         if timing is not None and self._tuner is not None:
             self._tuner.stop(timing, n, captured=self._captures != captures)
         run.pending.append(self._flags(active, "decode"))
