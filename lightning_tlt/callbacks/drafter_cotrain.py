@@ -151,21 +151,13 @@ def publish_drafter(engine: Any, drafter: EagleDrafter, version: int) -> EagleDr
         engine.set_drafter(drafter, version)
         return cast(EagleDrafter | None, engine.drafter)
     current = getattr(engine, "drafter", None)
-    if isinstance(current, EagleDrafter) and current is not drafter and _same_layout(current, drafter):
-        with torch.no_grad():
-            source = drafter.state_dict()
-            for name, tensor in current.state_dict().items():
-                tensor.copy_(source[name])
+    if isinstance(current, EagleDrafter) and current is not drafter and current.same_layout(drafter):
+        current.copy_weights_from(drafter)
     else:
         current = drafter.inference_copy()
         engine.drafter = current
     engine.drafter_version = int(version)
     return current
-
-
-def _same_layout(a: EagleDrafter, b: EagleDrafter) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(sa[k].shape == sb[k].shape for k in sa)
 
 
 def _weights(module: torch.nn.Module | None) -> dict[str, torch.Tensor] | None:
@@ -291,6 +283,8 @@ class DrafterCoTrainCallback(Callback):
         elif self._warm_started and not self._model_free(engine):
             self.published = publish_drafter(engine, drafter, self.version)  # version 0: cold
             self._published_steps = self.learner.steps_enqueued if self.learner is not None else 0
+        if self.published is None and self._model_free(engine) and hasattr(engine, "stage_drafter"):
+            engine.stage_drafter(drafter)  # its steps compile in the first rollout's warm-up, not at the hand-over
         if self.learner is not None and self.buffer.num_train:  # resumed with data: capture now, not in a stall
             self.learner.prepare()
         self._listen(trainer, engine)

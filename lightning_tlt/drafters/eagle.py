@@ -322,6 +322,18 @@ class EagleDrafter(nn.Module):
         read them)."""
         return write_eagle_dir(path, self.config.to_dict(), self.state_dict(), self.feature_layers)
 
+    def same_layout(self, other: EagleDrafter) -> bool:
+        """Whether ``other`` has this drafter's weight names and shapes (`copy_weights_from` takes it)."""
+        mine, theirs = self.state_dict(), other.state_dict()
+        return mine.keys() == theirs.keys() and all(mine[k].shape == theirs[k].shape for k in mine)
+
+    @torch.no_grad()
+    def copy_weights_from(self, other: EagleDrafter) -> None:
+        """``other``'s weights into this drafter's tensors, in place (CUDA graphs captured with them stay valid)."""
+        weights = other.state_dict()
+        for name, tensor in self.state_dict().items():
+            tensor.copy_(weights[name])
+
     def inference_copy(self, dtype: torch.dtype | None = None) -> EagleDrafter:
         """A frozen (no grad, eval) copy of the drafter's own weights, sharing the same embedding and head.
 

@@ -64,7 +64,7 @@ from lightning_tlt.rollout.inference_copy import InferenceCopy, resolve_dtype
 from lightning_tlt.rollout.scheduler import Request, SlotScheduler
 from lightning_tlt.rollout.slot_state import MAX_STOP_IDS, SlotState
 from lightning_tlt.rollout.spec_metrics import SpeculationMetrics
-from lightning_tlt.rollout.spec_step import DraftVocabulary, SpeculativeStep, StepContext
+from lightning_tlt.rollout.spec_step import DraftVocabulary, SpeculativeStep, StepContext, eagle_handle
 from lightning_tlt.rollout.steps import SamplingKey, allow_recompiles, compile_settings, decode_update
 from lightning_tlt.rollout.tuner import DraftLengthTuner
 
@@ -207,7 +207,9 @@ class RolloutEngine:
                 stacklevel=2,
             )
         self._drafter: Any = default_drafter(spec, runs) if spec.enabled else None
-        self._drafter_handle = 0  # bumped whenever the drafter object is replaced (graph keys)
+        self._drafter_handle = 0  # a new one whenever the drafter object is replaced (graph keys)
+        self._handles = 0  # handles handed out so far
+        self._staged: tuple[EagleDrafter, int] | None = None  # `stage_drafter`'s drafter and its handle
         self.drafter_version = 0
         """Version of the published drafter weights (`set_drafter` advances it)."""
         self.max_draft_tokens = spec.num_draft_tokens or max(spec.draft_candidates)
@@ -339,9 +341,38 @@ class RolloutEngine:
         if drafter is self._drafter:
             return
         self._drafter = drafter
-        self._drafter_handle += 1
+        if self._staged is not None and drafter is self._staged[0]:
+            self._drafter_handle, self._staged = self._staged[1], None  # its graphs are kept: captured already
+        else:
+            self._handles += 1
+            self._drafter_handle = self._handles
         if self._graphs is not None:
-            self._graphs.drop(lambda profile: profile.phase == "spec")
+            keep = {self._drafter_handle, *(() if self._staged is None else (self._staged[1],))}
+            self._graphs.drop(lambda profile: profile.phase == "spec" and eagle_handle(profile) not in keep)
+
+    def stage_drafter(self, drafter: EagleDrafter) -> None:
+        """Get ready for an EAGLE drafter that `set_drafter` will publish later.
+
+        While a model-free drafter speculates (TLT's cold start: the suffix drafter until the EAGLE
+        drafter's acceptance beats it), a compiled engine's first EAGLE rollout would compile and
+        capture the EAGLE step for every profile in the middle of an RL step (measured on the H200:
+        33.8 s of the 0.5 B e2e's third step). A staged drafter's profiles are compiled and captured
+        in the next call's warm-up instead, beside the current drafter's; publishing then copies the
+        weights into the staged copy, whose graphs are ready. Nothing drafts with it until then.
+
+        Args:
+            drafter: the drafter to be published (a training drafter is copied, never held).
+        """
+        if not isinstance(drafter, EagleDrafter):
+            raise TypeError(f"stage_drafter takes an EagleDrafter, got {type(drafter).__name__}")
+        if not self._spec_on or isinstance(self._drafter, EagleDrafter):
+            return  # nothing speculates, or publishing copies into the current EAGLE drafter in place
+        if tuple(drafter.feature_layers or ()) != self._capture_layers():
+            return  # an EAGLE-3 drafter needs other feature buffers: its hand-over rebuilds them anyway
+        if any(p.requires_grad for p in drafter.parameters()):
+            drafter = drafter.inference_copy(self.dtype)
+        self._handles += 1
+        self._staged = (drafter, self._handles)
 
     def set_drafter(self, drafter: Any, version: int | None = None) -> bool:
         """Publish ``drafter`` to the engine; returns whether it was taken.
@@ -349,9 +380,10 @@ class RolloutEngine:
         An `EagleDrafter` whose weights are not all finite is refused with a warning (the engine
         keeps drafting with what it has: a diverged co-trained drafter never reaches a rollout).
         When the engine already drafts with an `EagleDrafter` of the same layout, the weights are
-        copied into it in place (captured graphs stay valid); otherwise the engine takes a frozen
-        `EagleDrafter.inference_copy` (or ``drafter`` itself when it is frozen already, or not an
-        EAGLE drafter).
+        copied into it in place (captured graphs stay valid); when one of the same layout was
+        staged (`stage_drafter`), they are copied into that and it takes over, graphs and all;
+        otherwise the engine takes a frozen `EagleDrafter.inference_copy` (or ``drafter`` itself
+        when it is frozen already, or not an EAGLE drafter).
 
         Args:
             drafter: the drafter (a training `EagleDrafter` is copied, never held).
@@ -366,12 +398,12 @@ class RolloutEngine:
                     stacklevel=2,
                 )
                 return False
-            current = self._drafter
-            if isinstance(current, EagleDrafter) and current is not drafter and _same_layout(current, drafter):
-                with torch.no_grad():
-                    source = drafter.state_dict()
-                    for name, tensor in current.state_dict().items():
-                        tensor.copy_(source[name])
+            current, staged = self._drafter, None if self._staged is None else self._staged[0]
+            if isinstance(current, EagleDrafter) and current is not drafter and current.same_layout(drafter):
+                current.copy_weights_from(drafter)
+            elif staged is not None and staged is not drafter and staged.same_layout(drafter):
+                staged.copy_weights_from(drafter)
+                self.drafter = staged
             elif any(p.requires_grad for p in drafter.parameters()):
                 self.drafter = drafter.inference_copy(self.dtype)
             else:
@@ -772,10 +804,11 @@ class RolloutEngine:
     def _warm_up(self, key: SamplingKey, run: _Run) -> None:
         """Compile and capture, before any prompt is admitted, every step profile this call may meet.
 
-        The plain decode step at every batch bucket and, with an EAGLE drafter, its speculative step
-        at every bucket the gate allows times every draft length the tuner may pick. Captured one at
-        a time as the rollout first met them, a new drafter's profiles compiled in the middle of its
-        first rollout's tail (measured on the H200: 46 s of one RL step, 13 profiles). They run on
+        The plain decode step at every batch bucket and, with an EAGLE drafter (and with a staged
+        one, `stage_drafter`), its speculative step at every bucket the gate allows times every
+        draft length the tuner may pick. Captured one at a time as the rollout first met them, a new
+        drafter's profiles compiled in the middle of its first rollout's tail (measured on the H200:
+        46 s of one RL step, 13 profiles). They run on
         scratch rows (every slot live at position 1), restored after each step; the KV cache rows
         they write are below any row's prefill or inside the hole a drafter never reads. Done once
         per sampling key and drafter (a later call finds the profiles captured, or compiled).
@@ -784,8 +817,12 @@ class RolloutEngine:
         assert graphs is not None and st is not None
         if not self._compiled:
             return  # uncompiled steps capture in a moment (and key their graphs by KV length)
-        eagle = self._spec_step is not None and isinstance(self._drafter, EagleDrafter)
-        token = (key, self._drafter_handle if eagle else None)
+        drafters = [(self._drafter, self._drafter_handle)] if isinstance(self._drafter, EagleDrafter) else []
+        if self._staged is not None:
+            drafters.append(self._staged)
+        if self._spec_step is None:
+            drafters = []
+        token = (key, *(handle for _, handle in drafters))
         if token in self._warmed:
             return  # (a profile evicted under the graph budget since is captured again when met)
         t0, captures = time.perf_counter(), self._captures
@@ -799,10 +836,10 @@ class RolloutEngine:
         for batch in graphs.buckets:
             self._run_plain(batch, key, None)
             restore()
-        if eagle:
+        for drafter, handle in drafters:
             assert self._spec_step is not None
             for batch, k in self._eagle_profiles():
-                self._spec_step.run(self._context(), [], batch, k, key, self._drafter, self._drafter_handle, None)
+                self._spec_step.run(self._context(), [], batch, k, key, drafter, handle, None)
                 restore()
             self._spec_step.plain_step()
         restore_scratch()
@@ -1023,6 +1060,3 @@ def default_drafter(config: SpeculativeConfig, model: nn.Module) -> Any:
     return None
 
 
-def _same_layout(a: EagleDrafter, b: EagleDrafter) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(sa[k].shape == sb[k].shape for k in sa)

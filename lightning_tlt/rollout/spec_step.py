@@ -124,6 +124,16 @@ class DraftVocabulary:
         self.counts = state_dict["counts"].clone().long()
 
 
+def eagle_profile(batch: int, k: int, sampling: SamplingKey, drafter_handle: int, kv_len: int | None) -> GraphProfile:
+    """The graph key of an EAGLE step: its drafter's handle is part of it (`eagle_handle`)."""
+    return GraphProfile("spec", batch, k + 1, (sampling, drafter_handle, kv_len))
+
+
+def eagle_handle(profile: GraphProfile) -> int:
+    """The drafter handle of an EAGLE step's profile (`eagle_profile`)."""
+    return int(profile.extra[1])
+
+
 class SpeculativeStep:
     """Launches speculative steps (draft, verify, state update) for an engine; see the module docstring.
 
@@ -244,7 +254,7 @@ class SpeculativeStep:
             # the widest block, always: a block of the last step's k + 1 rows made every (bucket, k)
             # one graph per last k (167 captures and 50 s in one RL step of the 0.5 B e2e run on the H200)
             width = self.max_k + 1
-            profile = GraphProfile("spec", batch, k + 1, (sampling, drafter_handle, kv_len))
+            profile = eagle_profile(batch, k, sampling, drafter_handle, kv_len)
             ctx.run(profile, lambda: self._eagle_step(ctx, batch, k, width, sampling, drafter, kv_len))
             self._k_prev = k
             return None

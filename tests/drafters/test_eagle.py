@@ -337,3 +337,18 @@ def test_greedy_speculation_equals_greedy_decoding(tiny_qwen2: torch.nn.Module) 
             assert accepted >= new - (new // (k + 1)) - 1  # every draft accepted
         if source == "corrupted":
             assert accepted > 0
+
+
+def test_copy_weights_from_writes_in_place_and_same_layout_guards_it() -> None:
+    # the engine publishes co-trained weights by copying into the drafter its CUDA graphs were captured
+    # with: the tensors must stay where they are, and a drafter of another shape must not be copied
+    policy = build_model("qwen2", "tiny", seed=0)
+    target = EagleDrafter.from_target(policy, generator=torch.Generator().manual_seed(0)).inference_copy()
+    source = EagleDrafter.from_target(policy, generator=torch.Generator().manual_seed(1))
+    ptrs = {name: t.data_ptr() for name, t in target.state_dict().items()}
+    assert target.same_layout(source) and not torch.equal(target.fc.weight, source.fc.weight)
+    target.copy_weights_from(source)
+    assert {name: t.data_ptr() for name, t in target.state_dict().items()} == ptrs
+    assert all(torch.equal(t, source.state_dict()[name]) for name, t in target.state_dict().items())
+    other = EagleDrafter.from_target(build_model("qwen2", "small", seed=0))
+    assert not target.same_layout(other)

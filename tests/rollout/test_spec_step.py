@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 
 from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig, StepEvent
 from lightning_tlt.drafters.eagle import EagleDrafter
+from lightning_tlt.drafters.suffix import SuffixDrafter
 from lightning_tlt.models.zoo import build_model
 from lightning_tlt.rollout.cuda_graphs import CUDAGraphProfileCache
 from lightning_tlt.rollout.engine import RolloutEngine
@@ -401,6 +402,52 @@ def test_the_warm_up_captures_every_profile_before_the_rollout_and_leaves_no_tra
     assert stats[1]["warm_up_captures"] == 3 + 3 * 2
     assert stats[1]["graphs_captures"] == stats[1]["warm_up_captures"]  # none while rows decoded
     assert stats[1]["spec/steps"] > 0 and stats[0]["warm_up_captures"] == 0
+
+
+def test_a_staged_drafter_is_compiled_and_captured_before_it_takes_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    # measured on the H200: with the suffix drafter first, the warm-up for the EAGLE drafter fell in the
+    # first rollout after the hand-over (33.8 s of the e2e's third RL step). A staged drafter's profiles
+    # are captured in the first call's warm-up; publishing copies the weights into the staged copy, and
+    # the call after the hand-over captures nothing, sampling what an engine given the drafter directly does
+    from test_cuda_graphs import WarmupBackend
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
+    model = build_model("qwen2", "tiny", seed=0)
+    prompts = [[4 + i % 50, 5 + (7 * i) % 60, 6 + i % 3] for i in range(12)]
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=24, stop_token_ids=[7, 9, 11, 13])
+    spec = SpeculativeConfig(method="suffix", num_draft_tokens=4, threshold=8, hysteresis_steps=1)
+    cold = EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(0))
+    trained = EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(1))  # other weights
+    outs, stats = [], []
+    for staged in (True, False):
+        engine = RolloutEngine(model, max_seq_len=48, max_batch_size=8, speculative=spec, compile=True)
+        engine._ensure_buffers()
+        assert engine._graphs is not None
+        engine._graphs = CUDAGraphProfileCache(WarmupBackend(), buckets=engine._graphs.buckets, max_batch=8)
+        if staged:
+            engine.stage_drafter(cold)
+            assert engine._staged is not None and engine._staged[0] is not cold  # a frozen copy, not the trainee
+        engine.generate(prompts, cfg, num_samples=2, generator=torch.Generator().manual_seed(2))
+        first = dict(engine.last_stats)
+        assert isinstance(engine.drafter, SuffixDrafter) and first["spec/steps"] > 0  # the suffix drafter drafted
+        assert engine.set_drafter(trained)
+        outs.append(engine.generate(prompts, cfg, num_samples=2, generator=torch.Generator().manual_seed(3)))
+        stats.append((first, dict(engine.last_stats)))
+    (staged_first, staged_next), (plain_first, plain_next) = stats
+    # buckets 2, 4, 8: three plain profiles, and the staged drafter's EAGLE step at 2, 4, 8 rows (k = 4)
+    assert staged_first["warm_up_captures"] == 3 + 3 and plain_first["warm_up_captures"] == 3
+    # nothing left to capture (the count is the engine's since it was built)
+    assert "warm_up_s" not in staged_next and staged_next["graphs_captures"] == staged_first["graphs_captures"]
+    assert plain_next["warm_up_captures"] == 3 and plain_next["spec/steps"] > 0
+    assert outs[0].completion_ids == outs[1].completion_ids and outs[0].logprobs == outs[1].logprobs
+
+
+def test_stage_drafter_takes_only_an_eagle_drafter() -> None:
+    engine = RolloutEngine(build_model("qwen2", "tiny", seed=0), max_seq_len=32, max_batch_size=2,
+                           speculative=SpeculativeConfig(method="suffix"))  # fmt: skip
+    with pytest.raises(TypeError, match="stage_drafter takes an EagleDrafter, got SuffixDrafter"):
+        engine.stage_drafter(engine.drafter)
 
 
 def test_a_step_error_is_raised_not_retried_as_a_compiler_failure(monkeypatch: pytest.MonkeyPatch) -> None:
