@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import faulthandler
 import gc
 import hashlib
 import json
@@ -522,11 +523,17 @@ def run_lightning(
     log(f"{name} seed {seed}: up to {steps} steps, ends within {time_limit_s:.0f} s")
     t0 = time.perf_counter()
     error = None
+    # the recorder ends a run at a step boundary; a step still running at the deadline (seed 1's second
+    # TLT step on the H200 ran for over 7 minutes) prints every thread's stack, then ends the process:
+    # the runs cached before it survive, and the log says where it was
+    faulthandler.dump_traceback_later(max(deadline - t0, 1.0) + 5.0, exit=True)
     try:
         trainer.fit(module, datamodule=data)
     except FloatingPointError as err:  # a policy that is no longer finite: keep the steps before it, and why
         error = f"{type(err).__name__}: {err}"
         log(f"{name} seed {seed} stopped: {error}")
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     total = time.perf_counter() - t0
     graphs = getattr(data.engine, "graph_stats", None)
     run = {
@@ -672,6 +679,7 @@ def summarize(runs: list[dict[str, Any]], skip: int) -> dict[str, Any]:
         # the one-time cost inside the steps: CUDA graphs captured (and the compiling inside them)
         "graph_captures": sum(s.get("graph_captures", math.nan) for s in steps),
         "capture_s": sum(s.get("capture_s", math.nan) for s in steps),
+        "capture_s_per_step": statistics.fmean(s.get("capture_s", 0.0) for s in steps),
     }
 
 
@@ -786,18 +794,21 @@ def plot(results: dict[str, Any], runs: list[dict[str, Any]], out_dir: Path) -> 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 3.5), gridspec_kw={"width_ratios": [2, 1.4]})
     names = [n for n in ("tlt", "nospec") if n in summary]
     bottom = [0.0] * len(names)
+    once = {n: summary[n].get("capture_s_per_step", 0.0) for n in names}  # compiling, capturing: one-time
+    rest = {n: summary[n]["rollout_s"] - summary[n]["tail_s"] - once[n] for n in names}
     for part, label in (
         ("tail_s", "rollout: tail"),
-        ("rollout_s", "rollout: rest"),
+        ("once", "rollout: compile + capture (once)"),
+        ("rest", "rollout: rest"),
         ("reward_s", "reward"),
         ("train_s", "train"),
     ):
-        vals = [summary[n][part] - (summary[n]["tail_s"] if part == "rollout_s" else 0.0) for n in names]
+        vals = [once[n] if part == "once" else rest[n] if part == "rest" else summary[n][part] for n in names]
         ax.bar(names, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
     # the drafter trains on a side stream inside the tail: its GPU time overlaps the tail, not added to it
     ax.bar(names, [summary[n]["drafter_s"] for n in names], width=0.5, fill=False, hatch="//",
-           edgecolor="C4", label="drafter (GPU, beside the tail)")  # fmt: skip
+           edgecolor="C7", label="drafter (GPU, beside the tail)")  # fmt: skip
     ax.set_ylabel("seconds per RL step")
     ax.set_title("Step time split (kit)")
     ax.legend(fontsize=7)
