@@ -36,9 +36,11 @@ cotrain and frozen took 286 s, shadow, cold and nospec 404 s)::
         --policy-dir .cache/lightning_tlt/countdown_search-qwen2-0.5b-d3-... --drafter-dir .cache/e2e/drafter-.../drafter
 
 With ``--k 0`` the tuner picks k from measured step times, so ``shadow`` and ``frozen`` part ways
-from the first step and ``decode_slowdown`` compares different rollouts. For that figure run the
-pair with a fixed k (``--arms frozen,shadow --k 4``): the same drafter, generator and k should
-sample the same rollouts (not yet checked on the GPU), so that only the tail's speed differs.
+from the first step and ``decode_slowdown`` compares different rollouts. A fixed k
+(``--arms frozen,shadow --k 4``, 210 s on the H200) keeps them together for step 0 only: they part
+after the first GRPO update (measured; the likely cause is the policy's GPU backward, which is not
+bit-deterministic), so the arms' ratio stays noisy. The paired figure is the shadow arm's own
+``decode_slowdown_measured``: loaded against unloaded decode steps of the same rollouts.
 
 CPU smoke check (about a minute; writes under ``runs/benchmarks/``, git-ignored)::
 
