@@ -523,10 +523,11 @@ def run_lightning(
     log(f"{name} seed {seed}: up to {steps} steps, ends within {time_limit_s:.0f} s")
     t0 = time.perf_counter()
     error = None
-    # the recorder ends a run at a step boundary; a step still running at the deadline (seed 1's second
-    # TLT step on the H200 ran for over 7 minutes) prints every thread's stack, then ends the process:
-    # the runs cached before it survive, and the log says where it was
-    faulthandler.dump_traceback_later(max(deadline - t0, 1.0) + 5.0, exit=True)
+    # the recorder ends a run at a step boundary; a step still running --watchdog-s after the deadline
+    # (seed 1's second TLT step on the H200 ran for over 7 minutes) prints every thread's stack, then
+    # ends the process: the runs cached before it survive, and the log says where it was
+    if args.watchdog_s > 0:
+        faulthandler.dump_traceback_later(max(deadline - t0, 0.0) + args.watchdog_s, exit=True)
     try:
         trainer.fit(module, datamodule=data)
     except FloatingPointError as err:  # a policy that is no longer finite: keep the steps before it, and why
@@ -961,6 +962,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--engine", type=engine_options, default={},
         help='engine options of a and b as JSON, e.g. \'{"use_cuda_graphs": false}\' or \'{"fuse_projections": true}\'',
     )  # fmt: skip
+    p.add_argument(
+        "--watchdog-s", type=float, default=30.0,
+        help="a and b: a step still running this long after its run's deadline prints every thread's stack "
+        "and ends the process (the runs cached before it are kept); 0: off",
+    )
     p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "lightning_tlt"))
     p.add_argument("--out", default=None)
     p.add_argument("--plots", default=str(ROOT / "docs" / "img"))
