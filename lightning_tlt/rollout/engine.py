@@ -239,7 +239,7 @@ class RolloutEngine:
         self._speculative_steps = 0
         self._prompt_features: dict[int, Tensor] = {}
         self.last_stats: dict[str, float] = {}
-        self._warmed: set[tuple[Any, ...]] = set()  # (sampling key, drafter handle) warmed up with these graphs
+        self._warmed: set[tuple[Any, ...]] = set()  # (sampling key, *EAGLE drafter handles) warmed up with these graphs
 
     # ------------------------------------------------------------------ read-only properties
     @property
@@ -808,20 +808,21 @@ class RolloutEngine:
         one, `stage_drafter`), its speculative step at every bucket the gate allows times every
         draft length the tuner may pick. Captured one at a time as the rollout first met them, a new
         drafter's profiles compiled in the middle of its first rollout's tail (measured on the H200:
-        46 s of one RL step, 13 profiles). They run on
-        scratch rows (every slot live at position 1), restored after each step; the KV cache rows
-        they write are below any row's prefill or inside the hole a drafter never reads. Done once
-        per sampling key and drafter (a later call finds the profiles captured, or compiled).
+        46 s of one RL step, 13 profiles). They run on scratch rows (every slot live at position 1),
+        restored after each step; the KV cache rows they write are below any row's prefill or inside
+        the hole a drafter never reads. Done once per sampling key and set of drafters (a later call
+        finds the profiles captured, or compiled).
         """
         graphs, st = self._graphs, self._state
         assert graphs is not None and st is not None
         if not self._compiled:
             return  # uncompiled steps capture in a moment (and key their graphs by KV length)
-        drafters = [(self._drafter, self._drafter_handle)] if isinstance(self._drafter, EagleDrafter) else []
-        if self._staged is not None:
-            drafters.append(self._staged)
-        if self._spec_step is None:
-            drafters = []
+        drafters: list[tuple[EagleDrafter, int]] = []
+        if self._spec_step is not None:
+            if isinstance(self._drafter, EagleDrafter):
+                drafters.append((self._drafter, self._drafter_handle))
+            if self._staged is not None:
+                drafters.append(self._staged)
         token = (key, *(handle for _, handle in drafters))
         if token in self._warmed:
             return  # (a profile evicted under the graph budget since is captured again when met)
