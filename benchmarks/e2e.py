@@ -23,7 +23,9 @@ Stages (``--stage``, comma-separated, default ``all``): ``warmstart`` (SFT of th
 time, then the drafter's warm start), ``ab`` (b, then a over b's number of steps, seed by seed),
 ``trl``, and the report, which every call writes from all that is cached. Every unit is cached under
 ``.cache/`` (git-ignored) as soon as it ends, keyed by the policy it starts from and its own
-settings, so a call that is stopped loses only the unit it was in. ``--budget-s`` bounds one call:
+settings, so a call that is stopped loses only the unit it was in; with ``--out``, each finished run
+is also copied to ``e2e_runs/`` beside it, so a remote call the watchdog ends still brings its
+finished runs back. ``--budget-s`` bounds one call:
 a unit starts only when its estimated time (b's measured time, once there is one) fits in what is
 left, and a run ends by the deadline it was given, loading, compiling and capturing included.
 
@@ -156,7 +158,7 @@ def warm_start_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 DRAFTER_KEYS = ("drafter_prompts", "drafter_samples", "drafter_steps", "drafter_lr", "max_new")
 RUN_KEYS = ("steps", "prompts", "generations", "max_new", "lr", "micro_batch", "micro_batch_tokens", "threshold",
-            "cotrain_lr", "engine", "master_weights")
+            "cotrain_lr", "stall_steps", "engine", "master_weights")
 TRL_KEYS = ("trl_steps", "trl_budget_s", "prompts", "generations", "max_new", "lr", "micro_batch", "master_weights")
 
 
@@ -503,6 +505,7 @@ def run_lightning(
                 drafter=drafter,
                 stall_threshold=args.threshold,
                 learning_rate=args.cotrain_lr,
+                max_steps_per_event=args.stall_steps,
                 publish_every_n_steps=1,
             )
         )
@@ -926,6 +929,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drafter-steps", type=int, default=600)
     p.add_argument("--drafter-lr", type=float, default=1e-3, help="offline warm-up learning rate")
     p.add_argument("--cotrain-lr", type=float, default=1e-4, help="co-training learning rate in the stalls")
+    p.add_argument(
+        "--stall-steps", type=int, default=4,
+        help="most drafter steps queued at one stall event (0: the drafter is not trained in the stalls, only "
+        "warm-started; splits speculation from the stall training)",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, default=20, help="RL steps of configurations a and b")
     p.add_argument("--skip", type=int, default=2, help="first steps left out of the means (compile, capture)")
     p.add_argument("--trl-steps", type=int, default=3)
@@ -1001,6 +1009,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if stages - {*STAGES, "all", "report"}:
         raise ValueError(f"--stage takes {', '.join(STAGES)}, report or all, got {args.stage!r}")
     args.stages = set(STAGES) if "all" in stages else stages
+    if args.stall_steps < 0:
+        raise ValueError(f"--stall-steps must be >= 0 (0: no drafter steps in the stalls), got {args.stall_steps}")
     return args
 
 
@@ -1054,6 +1064,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         run = run_lightning(name, args, seed, policy_dir, drafter_dir if name == "tlt" else None, steps,
                             budget.left() - 10)  # fmt: skip
         path.write_text(json.dumps(run, default=float))
+        if args.out:  # beside the report too: a later run the watchdog ends writes no report
+            beside = Path(args.out).parent / "e2e_runs" / path.name
+            beside.parent.mkdir(parents=True, exist_ok=True)
+            beside.write_text(path.read_text())
         recomputed.append(f"{name}, seed {seed}")
 
     def run_trl_stage() -> None:

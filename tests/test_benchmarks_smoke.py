@@ -69,6 +69,13 @@ def test_the_e2e_accuracy_judgement_refuses_what_cannot_show_a_loss() -> None:
     assert lower["judgement"].startswith("accuracy LOSS: TLT lower by more than 2 SE")
 
 
+def test_the_e2e_refuses_a_negative_stall_step_count_before_any_work() -> None:
+    e2e = _e2e()
+    assert e2e.parse_args(["--stall-steps", "0"]).stall_steps == 0  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"--stall-steps must be >= 0 .*got -1"):
+        e2e.parse_args(["--stall-steps", "-1"])  # type: ignore[attr-defined]
+
+
 def test_train_step_benchmark_compares_one_gradient_cut_two_ways(tmp_path: Path) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
