@@ -1063,11 +1063,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         steps = len(b["steps"]) if name == "tlt" and b is not None else args.steps
         run = run_lightning(name, args, seed, policy_dir, drafter_dir if name == "tlt" else None, steps,
                             budget.left() - 10)  # fmt: skip
-        path.write_text(json.dumps(run, default=float))
+        text = json.dumps(run, default=float)
+        path.write_text(text)
         if args.out:  # beside the report too: a later run the watchdog ends writes no report
             beside = Path(args.out).parent / "e2e_runs" / path.name
             beside.parent.mkdir(parents=True, exist_ok=True)
-            beside.write_text(path.read_text())
+            beside.write_text(text)
         recomputed.append(f"{name}, seed {seed}")
 
     def run_trl_stage() -> None:
