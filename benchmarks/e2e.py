@@ -158,7 +158,9 @@ def warm_start_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 DRAFTER_KEYS = ("drafter_prompts", "drafter_samples", "drafter_steps", "drafter_lr", "max_new")
 RUN_KEYS = ("steps", "prompts", "generations", "max_new", "lr", "micro_batch", "micro_batch_tokens", "threshold",
-            "cotrain_lr", "stall_steps", "engine", "master_weights")
+            "engine", "master_weights")
+TLT_KEYS = ("cotrain_lr", "stall_steps")
+"""Settings only a (``tlt``) reads: they key a's file alone, so changing them reuses b's runs."""
 TRL_KEYS = ("trl_steps", "trl_budget_s", "prompts", "generations", "max_new", "lr", "micro_batch", "master_weights")
 
 
@@ -171,6 +173,11 @@ def workload_key(args: argparse.Namespace) -> str:
     """The workload's name (task, size, the warm start's settings); each stage caches below it."""
     keys = ("arch", "smoke", "sft_steps", "sft_batch", "sft_lr", "sft_max_length", "sft_batch_tokens", "sft_max_time_s")
     return _key(f"{args.task}-d{args.difficulty}-{args.size}", args, keys)
+
+
+def run_file(args: argparse.Namespace, name: str, seed: int) -> str:
+    """A run's file name in the ``runs`` stage: b's by its seed, a's also by a's own settings."""
+    return f"{_key('tlt', args, TLT_KEYS)}_seed{seed}.json" if name == "tlt" else f"{name}_seed{seed}.json"
 
 
 def stage_dir(args: argparse.Namespace, policy_dir: Path, stage: str) -> Path:
@@ -319,10 +326,16 @@ class StepRecorder(Callback):
     ``tail_rows``) and the rest.
     """
 
-    def __init__(self, name: str, tail_rows: int, correctness_key: str, deadline: float) -> None:
+    def __init__(
+        self, name: str, tail_rows: int, correctness_key: str, deadline: float, watchdog_s: float = 0.0,
+        step_timeout_s: float = 0.0,
+    ) -> None:
         self.name, self.tail_rows, self.correctness_key = name, tail_rows, correctness_key
         self.deadline = deadline
         """``time.perf_counter()`` by which the run must end: no step starts that would not finish by then."""
+        self.watchdog_s, self.step_timeout_s = watchdog_s, step_timeout_s
+        """The watchdog (`arm_watchdog`): ``watchdog_s`` past the deadline, or, after the first step,
+        ``step_timeout_s`` past the last step's end if that comes first; 0 leaves that bound out."""
         self.marker = _TrainEndMarker(self)
         """Put first in the Trainer's callbacks (this recorder last): it stamps the end of the
         training step, so the RL-step boundary work of other callbacks (drafter publishing) is timed apart."""
@@ -428,9 +441,21 @@ class StepRecorder(Callback):
         )
         self._tail_s = self._bulk_s = 0.0
         self._last_end = now
+        self.arm_watchdog(after_first_step=True)
         if now + r["wall_s"] > self.deadline:  # the next step would not finish in time: stop here
             log(f"{self.name}: deadline reached after {len(self.steps)} steps")
             trainer.should_stop = True
+
+
+    def arm_watchdog(self, after_first_step: bool = False) -> None:
+        """(Re-)arm the process watchdog: a step still running at its bound prints every thread's stack
+        and ends the process (the runs cached before it survive; the log says where it hung)."""
+        left = self.deadline - time.perf_counter()
+        bounds = [max(left, 0.0) + self.watchdog_s] if self.watchdog_s > 0 else []
+        if after_first_step and self.step_timeout_s > 0:  # step 0 compiles and captures: only the deadline
+            bounds.append(self.step_timeout_s)
+        if bounds:
+            faulthandler.dump_traceback_later(min(bounds), exit=True)
 
 
 class _TrainEndMarker(Callback):
@@ -490,7 +515,7 @@ def run_lightning(
     )
     task = get_task(args.task)
     correctness_key = f"rewards/{task.reward_funcs[0].__name__}/mean"
-    recorder = StepRecorder(name, args.threshold, correctness_key, deadline)
+    recorder = StepRecorder(name, args.threshold, correctness_key, deadline, args.watchdog_s, args.step_timeout_s)
     callbacks: list[Callback] = [recorder.marker]
     if name == "tlt":
         from lightning_tlt.callbacks.drafter_cotrain import DrafterCoTrainCallback
@@ -526,11 +551,10 @@ def run_lightning(
     log(f"{name} seed {seed}: up to {steps} steps, ends within {time_limit_s:.0f} s")
     t0 = time.perf_counter()
     error = None
-    # the recorder ends a run at a step boundary; a step still running --watchdog-s after the deadline
-    # (seed 1's second TLT step on the H200 ran for over 7 minutes) prints every thread's stack, then
-    # ends the process: the runs cached before it survive, and the log says where it was
-    if args.watchdog_s > 0:
-        faulthandler.dump_traceback_later(max(deadline - t0, 0.0) + args.watchdog_s, exit=True)
+    # the recorder ends a run at a step boundary; a step still running --watchdog-s after the deadline, or
+    # --step-timeout-s after the step before it (seed 1's fifth TLT step on the H200 never ended), prints
+    # every thread's stack, then ends the process: the runs cached before it survive, the log says where
+    recorder.arm_watchdog()
     try:
         trainer.fit(module, datamodule=data)
     except FloatingPointError as err:  # a policy that is no longer finite: keep the steps before it, and why
@@ -975,8 +999,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a and b: a step still running this long after its run's deadline prints every thread's stack "
         "and ends the process (the runs cached before it are kept); 0: off",
     )
+    p.add_argument(
+        "--step-timeout-s", type=float, default=0.0,
+        help="a and b: a step after the first (which compiles and captures) still running this long does what "
+        "--watchdog-s does; 0: off",
+    )
     p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "lightning_tlt"))
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--carry", default=None, metavar="REPORT",
+        help="an earlier report's JSON (same workload): its runs measured with this call's settings fill the "
+        "cache where it has none (a fresh machine then measures only what is missing)",
+    )
     p.add_argument("--plots", default=str(ROOT / "docs" / "img"))
     p.add_argument(
         "--smoke", action="store_true", help="tiny sizes on the CPU: the whole pipeline in about two minutes"
@@ -1009,6 +1043,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if stages - {*STAGES, "all", "report"}:
         raise ValueError(f"--stage takes {', '.join(STAGES)}, report or all, got {args.stage!r}")
     args.stages = set(STAGES) if "all" in stages else stages
+    if args.carry is not None and not Path(args.carry).is_file():
+        raise ValueError(f"--carry takes an earlier report's JSON file, got {args.carry!r} (no such file)")
+    if args.step_timeout_s < 0 or args.watchdog_s < 0:
+        raise ValueError(f"--step-timeout-s and --watchdog-s must be >= 0 (0: off), got {args.step_timeout_s} and "
+                         f"{args.watchdog_s}")
     if args.stall_steps < 0:
         raise ValueError(f"--stall-steps must be >= 0 (0: no drafter steps in the stalls), got {args.stall_steps}")
     return args
@@ -1016,6 +1055,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _load(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def carry(args: argparse.Namespace, source: Path, parts: Path, trl_dir: Path) -> list[str]:
+    """Put the runs of an earlier report (``--carry``) into this machine's cache where it has none.
+
+    Only runs measured with this call's settings are taken: the report's workload must be this one
+    (else a `ValueError` before any work), and each run's settings (`RUN_KEYS`, `DRAFTER_KEYS`, a's
+    `TLT_KEYS`; TRL's `TRL_KEYS`) must equal this call's, a setting the report predates counting as
+    its default. Returns what was carried; the report says so under ``carried``, and each carried run
+    keeps the report it came from under ``carried_from`` (whichever later call reports it).
+    """
+    old = json.loads(source.read_text())
+    if old.get("workload") != workload_key(args):
+        raise ValueError(f"--carry {source}: its workload {old.get('workload')!r} is not this call's {workload_key(args)!r}")
+    defaults = vars(parse_args([]))
+
+    def same(keys: tuple[str, ...]) -> bool:
+        return all(old["args"].get(k, defaults[k]) == getattr(args, k) for k in keys)
+
+    taken = []
+    for run in old.get("runs", []):
+        keys = RUN_KEYS + DRAFTER_KEYS + (TLT_KEYS if run["name"] == "tlt" else ())
+        path = parts / run_file(args, run["name"], run["seed"])
+        if same(keys) and not path.is_file():
+            path.write_text(json.dumps({**run, "carried_from": run.get("carried_from", source.name)}, default=float))
+            taken.append(f"{run['name']}, seed {run['seed']}")
+    trl_path = trl_dir / "trl.json"
+    if old.get("trl_runs") and same(TRL_KEYS) and not trl_path.is_file():
+        trl_path.write_text(json.dumps(old["trl_runs"][0], default=float))
+        taken.append("trl")
+    log(f"carried from {source.name}: {', '.join(taken) or 'nothing (other settings, or already cached)'}")
+    return taken
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -1043,19 +1114,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             recomputed.append("drafter warm start")
 
     parts = stage_dir(args, policy_dir, "runs")
+    carried = carry(args, Path(args.carry), parts, stage_dir(args, policy_dir, "trl")) if args.carry else []
 
     def estimate(name: str) -> float:
         """A run's wall time: b's measured total (a runs b's steps), else the first guess."""
-        done = [r for s in seeds if (r := _load(parts / f"nospec_seed{s}.json"))]
+        done = [r for s in seeds if (r := _load(parts / run_file(args, "nospec", s)))]
         return done[0]["total_s"] * 1.15 + 30 if done else args.est_run_s
 
     def run_config(name: str, seed: int) -> None:
         """b (``nospec``) first, then a (``tlt``) over b's steps; each cached as soon as it ends."""
-        path = parts / f"{name}_seed{seed}.json"
+        path = parts / run_file(args, name, seed)
         if path.is_file():
             log(f"{name}, seed {seed}: cached")
             return
-        b = _load(parts / f"nospec_seed{seed}.json")
+        b = _load(parts / run_file(args, "nospec", seed))
         if name == "tlt" and b is None:
             return  # a runs as many steps as b did: b first
         if not budget.allows(estimate(name), f"{name}, seed {seed}"):
@@ -1093,7 +1165,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 run_config(name, seed)
 
     # ------------------------------------------------------------------ report from everything cached
-    runs = paired([r for s in seeds for n in ("tlt", "nospec") if (r := _load(parts / f"{n}_seed{s}.json"))])
+    runs = paired([r for s in seeds for n in ("tlt", "nospec") if (r := _load(parts / run_file(args, n, s)))])
     trl_run = _load(stage_dir(args, policy_dir, "trl") / "trl.json")
     summary: dict[str, Any] = {}
     for name in ("tlt", "nospec"):
@@ -1115,6 +1187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "workload": workload_key(args),
         "warm_start": warm,
         "recomputed_this_call": recomputed,
+        "carried": {"from": Path(args.carry).name, "units": carried} if args.carry else None,
         "summary": summary,
         "ratios": ratios(summary),
         "no_accuracy_loss": no_accuracy_loss(

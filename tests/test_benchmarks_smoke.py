@@ -76,6 +76,54 @@ def test_the_e2e_refuses_a_negative_stall_step_count_before_any_work() -> None:
         e2e.parse_args(["--stall-steps", "-1"])  # type: ignore[attr-defined]
 
 
+def test_the_e2e_carries_only_runs_measured_with_this_calls_settings(tmp_path: Path) -> None:
+    import json
+
+    e2e = _e2e()
+    args = e2e.parse_args(["--cache-dir", str(tmp_path / "cache" / "lightning_tlt")])  # type: ignore[attr-defined]
+    parts, trl = tmp_path / "runs", tmp_path / "trl"
+    parts.mkdir(), trl.mkdir()
+    old_args = {k: v for k, v in vars(args).items() if k not in ("stages", "stall_steps")}  # predates --stall-steps
+    report = {"workload": e2e.workload_key(args), "args": old_args,  # type: ignore[attr-defined]
+              "runs": [_run("nospec", [0.1, 0.2]), _run("tlt", [0.2, 0.3])], "trl_runs": [{"step_s": [300.0]}]}
+    source = tmp_path / "old.json"
+    source.write_text(json.dumps(report))
+    # a's own setting differs: b and TRL are taken, a is measured again
+    other = e2e.parse_args(["--cache-dir", args.cache_dir, "--stall-steps", "0"])  # type: ignore[attr-defined]
+    assert e2e.carry(other, source, parts, trl) == ["nospec, seed 0", "trl"]  # type: ignore[attr-defined]
+    b = json.loads((parts / "nospec_seed0.json").read_text())
+    assert b["steps"] == [{"correctness": 0.1}, {"correctness": 0.2}] and b["carried_from"] == "old.json"
+    assert json.loads((trl / "trl.json").read_text()) == {"step_s": [300.0]}
+    # the report's missing setting counts as its default (4): a is taken under this call's settings
+    assert e2e.carry(args, source, parts, trl) == ["tlt, seed 0"]  # type: ignore[attr-defined]
+    assert (parts / e2e.run_file(args, "tlt", 0)).is_file()  # type: ignore[attr-defined]
+    assert e2e.run_file(args, "tlt", 0) != e2e.run_file(other, "tlt", 0)  # type: ignore[attr-defined]
+    assert e2e.run_file(args, "nospec", 0) == e2e.run_file(other, "nospec", 0)  # type: ignore[attr-defined]
+    # another workload is refused, and a missing file before any work
+    smaller = e2e.parse_args(["--cache-dir", args.cache_dir, "--size", "100m"])  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"its workload 'countdown_search-d3-0.5b-.*' is not this call's 'countdown_search-d3-100m-"):
+        e2e.carry(smaller, source, parts, trl)  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"--carry takes an earlier report's JSON file, got '.*nope.json' \(no such file\)"):
+        e2e.parse_args(["--carry", str(tmp_path / "nope.json")])  # type: ignore[attr-defined]
+
+
+def test_the_e2e_step_watchdog_ends_a_hung_step_with_every_threads_stack() -> None:
+    code = (
+        "import sys, time; sys.path.insert(0, 'benchmarks'); import e2e\n"
+        "r = e2e.StepRecorder('tlt', 32, 'c', time.perf_counter() + 600, watchdog_s=30, step_timeout_s=1)\n"
+        "r.arm_watchdog()  # step 0: only the deadline (630 s away)\n"
+        "time.sleep(1.5)\n"
+        "r.arm_watchdog(after_first_step=True)  # later steps: 1 s\n"
+        "time.sleep(30)\n"
+        "print('not ended')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and "not ended" not in run.stdout
+    assert "Timeout (0:00:01)!" in run.stderr and "time.sleep(30)" not in run.stderr  # the stack, from <string>
+    assert 'File "<string>", line 6' in run.stderr
+
+
 def test_train_step_benchmark_compares_one_gradient_cut_two_ways(tmp_path: Path) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
