@@ -233,6 +233,9 @@ def _settings(
         raise ValueError(f"batch_tokens must be >= 1 or None, got {batch_tokens!r}")
     if max_time_s is not None and not max_time_s > 0:
         raise ValueError(f"max_time_s must be > 0 or None, got {max_time_s!r}")
+    # real-valued settings as floats: a YAML config's ``max_time_s: 300`` names the same run (and cache
+    # directory) as ``300.0`` from the command line, whose JSON would otherwise hash differently
+    max_time_s = None if max_time_s is None else float(max_time_s)
     optional = (("max_length", max_length), ("batch_tokens", batch_tokens), ("max_time_s", max_time_s))
     bounds = {k: v for k, v in optional if v is not None}
     return bounds | {
@@ -243,7 +246,7 @@ def _settings(
         "seed": seed,
         "steps": steps,
         "batch_size": batch_size,
-        "lr": lr,
+        "lr": float(lr),
         "version": WARMSTART_VERSION,
     }
 

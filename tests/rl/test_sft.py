@@ -235,6 +235,8 @@ def test_warm_start_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     # the bounds enter the cache key only when set (caches made before them stay valid)
     assert warm_start_dir(max_length=None, max_time_s=None) == warm_start_dir()
     assert len({warm_start_dir(), warm_start_dir(max_length=256), warm_start_dir(max_time_s=60.0)}) == 3
+    # a YAML config's integers name the same run as the command line's floats (one SFT, one cache)
+    assert warm_start_dir(max_time_s=300, lr=1) == warm_start_dir(max_time_s=300.0, lr=1.0)
 
 
 def test_warm_start_bounded_in_time_and_length(tmp_path: Path) -> None:
