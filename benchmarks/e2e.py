@@ -799,6 +799,7 @@ def plot(results: dict[str, Any], runs: list[dict[str, Any]], out_dir: Path) -> 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
@@ -814,7 +815,8 @@ def plot(results: dict[str, Any], runs: list[dict[str, Any]], out_dir: Path) -> 
         style = "-" if run["name"] == "tlt" else "--"
         ax.plot([s["correctness"] for s in run["steps"]], style, label=f"{run['name']} (seed {run['seed']})")
     ax.set_xlabel("RL step")
-    ax.set_ylabel("correctness (mean over the step's completions)")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_ylabel("correctness (step mean)")
     ax.set_title("Correctness per step: TLT vs speculation off")
     ax.legend(fontsize=8)
     save(fig, "e2e_correctness.png")
@@ -860,6 +862,7 @@ def plot(results: dict[str, Any], runs: list[dict[str, Any]], out_dir: Path) -> 
         if run["name"] == "tlt":
             ax.plot([s["accept_len"] for s in run["steps"]], marker="o", label=f"seed {run['seed']}")
     ax.set_xlabel("RL step")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_ylabel("tokens per verify step")
     ax.set_title("Acceptance length over steps (TLT)")
     ax.legend(fontsize=8)

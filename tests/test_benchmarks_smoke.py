@@ -124,6 +124,33 @@ def test_the_e2e_step_watchdog_ends_a_hung_step_with_every_threads_stack() -> No
     assert 'File "<string>", line 6' in run.stderr
 
 
+def test_a_fit_log_is_read_back_into_the_numbers_it_printed(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import fit_log
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from lightning_tlt.callbacks.rollout_metrics import summary_line
+
+    metrics = {"reward": 1.406, "reward_std": 0.509, "rewards/countdown_search_correctness/mean": 0.414,
+               "rewards/countdown_search_format/mean": 0.992, "completions/mean_length": 1044.5,
+               "completions/clipped_ratio": 0.01, "rollout/tokens_per_s": 13969.0, "spec/fraction": 0.17,
+               "spec/accept_len": 2.04}  # fmt: skip
+    lines = ["noise", summary_line(2, metrics, {"step_time": 1.84}, 80),
+             summary_line(3, {"reward": 1.0, "rewards/countdown_search_correctness/mean": 0.25}, {}, 80)]
+    log = "\n".join(lines + [summary_line(3, {"reward": 1.5, "rewards/countdown_search_correctness/mean": 0.5}, {}, 80)])
+    steps = fit_log.parse_steps(log)  # the resumed run's line of step 3 replaces the first
+    assert steps[0] == {"step": 2.0, "reward": 1.406, "reward_std": 0.509, "correctness": 0.414, "format": 0.992,
+                        "mean_length": 1044.5, "clipped": 0.01, "tokens_per_s": 13969.0, "spec_fraction": 0.17,
+                        "accept_len": 2.04, "step_s": 1.84}  # fmt: skip
+    assert steps[1]["correctness"] == 0.5 and "step_s" not in steps[1] and len(steps) == 2
+    summary = fit_log.summarize(steps, skip=0)
+    assert summary["correctness_by_quarter"] == pytest.approx([0.414, 0.5])  # one step a quarter, two steps
+    assert summary["step_s"] == 1.84 and summary["last_step"] == 3
+    with pytest.raises(ValueError, match="no per-step lines"):
+        fit_log.summarize(fit_log.parse_steps("nothing here"))
+
+
 def test_train_step_benchmark_compares_one_gradient_cut_two_ways(tmp_path: Path) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
