@@ -15,6 +15,10 @@ for every token. This script measures, side by side on one GPU and the zoo's ``0
 - one replay of the engine's captured EAGLE step (k = 4) and of its plain decode step at one active
   row, alone and while drafter steps of each arm run on the side stream (the tail's situation).
 
+- with ``--side-sms 16,32``, the ``bf16_vocab`` step again on a side stream of a CUDA green context of
+  that many SMs (``DrafterTrainConfig.side_stream_sms``; arms ``bf16_vocab_sms16``, ...): the step
+  takes longer on fewer SMs, and the question is how much of decode's time it then leaves alone.
+
 Prints a table and writes JSON under ``benchmarks/results/`` with ``"summary"`` (per arm:
 ``step_ms``, ``spec_step_ms_beside``, ``decode_step_ms_beside``; and ``spec_step_ms_alone``,
 ``decode_step_ms_alone``) and ``"ratios"``: ``bf16_over_fp32_step`` and ``vocab_over_full_step`` (how
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as dt
 import platform
 import statistics
@@ -72,11 +77,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--size", default="0.5b")
     p.add_argument("--vocab-rows", type=int, default=32768, help="rows of the bf16_vocab arm's head (the engine's default)")
     p.add_argument("--steps", type=int, default=20, help="timed drafter steps per arm")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--side-sms", default="", help="comma-separated SM counts: bf16_vocab on a green context of each")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU: a check of the script")
     args = p.parse_args(argv)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if not arms or set(arms) - set(ARMS):
+        raise SystemExit(f"--arms takes some of {', '.join(ARMS)}, got {args.arms!r}")
+    try:
+        side_sms = [int(n) for n in args.side_sms.split(",") if n.strip()]
+    except ValueError:
+        raise SystemExit(f"--side-sms takes comma-separated SM counts, got {args.side_sms!r}") from None
+    if any(n < 1 for n in side_sms):
+        raise SystemExit(f"--side-sms counts must be >= 1, got {args.side_sms!r}")
     if args.smoke:
-        args.size, args.vocab_rows, args.steps = "tiny", 64, 2
+        args.size, args.vocab_rows, args.steps, side_sms = "tiny", 64, 2, []
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
     policy = build_model("qwen2", args.size, seed=0).to(device)  # float32 master weights, as the e2e trains
@@ -105,9 +121,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             engines[name] = engine
         summary["spec_step_ms_alone"] = graph_replay_ms(engines["spec"], 1, "spec", 5)
         summary["decode_step_ms_alone"] = graph_replay_ms(engines["decode"], 1, "decode", 1)
-    for arm, (dtype, restricted) in ARMS.items():
+    runs = [(arm, *ARMS[arm], None) for arm in arms] + [(f"bf16_vocab_sms{n}", *ARMS["bf16_vocab"], n) for n in side_sms]
+    for arm, dtype, restricted, sms in runs:
         drafter = EagleDrafter.from_target(policy, generator=torch.Generator().manual_seed(0))
-        trainer = DrafterTrainer(drafter, buffer, config, compute_dtype=dtype)
+        arm_config = dataclasses.replace(config, side_stream_sms=sms)
+        trainer = DrafterTrainer(drafter, buffer, arm_config, compute_dtype=dtype)
         if restricted:
             trainer.set_vocabulary(torch.arange(min(args.vocab_rows, vocab)))
         trainer.enqueue(3, block=True)  # capture and warm up
@@ -122,7 +140,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         stats = trainer.take_stats()
         row: dict[str, Any] = {"step_ms": 1000 * stats["train_time_s"] / args.steps, "compute_dtype": str(dtype),
                                "head_rows": min(args.vocab_rows, vocab) if restricted else vocab,
-                               "loss": stats.get("loss"), "execution": trainer.execution}  # fmt: skip
+                               "loss": stats.get("loss"), "execution": trainer.execution,
+                               "side_stream_sms": sms}  # fmt: skip
         if cuda:
             row["spec_step_ms_beside"] = replay_beside(engines["spec"], "spec", 5, trainer)
             row["decode_step_ms_beside"] = replay_beside(engines["decode"], "decode", 1, trainer)
@@ -135,11 +154,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def over(x: Any, y: Any) -> float | None:
         return x / y if x and y else None
 
+    def step_ms(arm: str) -> float | None:
+        return summary[arm]["step_ms"] if arm in summary else None
+
+    names = [r[0] for r in runs]
     ratios = {
-        "bf16_over_fp32_step": over(summary["fp32_full"]["step_ms"], summary["bf16_full"]["step_ms"]),
-        "vocab_over_full_step": over(summary["bf16_full"]["step_ms"], summary["bf16_vocab"]["step_ms"]),
+        "bf16_over_fp32_step": over(step_ms("fp32_full"), step_ms("bf16_full")),
+        "vocab_over_full_step": over(step_ms("bf16_full"), step_ms("bf16_vocab")),
         **{f"spec_slowdown_{arm}": over(summary[arm].get("spec_step_ms_beside"), summary.get("spec_step_ms_alone"))
-           for arm in ARMS},
+           for arm in names},
     }  # fmt: skip
     results = {
         "benchmark": "drafter_step",
@@ -151,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ratios": ratios,
     }
     print("\n| arm | step (ms) | EAGLE step beside (ms) | plain step beside (ms) |\n|---|---|---|---|")
-    for arm in ARMS:
+    for arm in names:
         row = summary[arm]
         print(f"| {arm} | {row['step_ms']:.1f} | {row.get('spec_step_ms_beside')} | {row.get('decode_step_ms_beside')} |")
     print(f"alone: EAGLE step {summary.get('spec_step_ms_alone')} ms, plain step {summary.get('decode_step_ms_alone')} ms")

@@ -87,6 +87,11 @@ class DrafterTrainConfig:
     "deferred" (queued, run at `DrafterTrainer.wait`), or "auto": "graph" on CUDA, "eager" on the CPU."""
     max_queued: int = 4
     """Most drafter steps in flight on the side stream (further requests wait for a later event)."""
+    side_stream_sms: int | None = None
+    """SMs the side stream's kernels may use (a CUDA green context, `torch.cuda.green_contexts`), so
+    drafter steps leave the rest to decode instead of holding every SM for their whole run (stream
+    priorities cannot do that: they order blocks waiting to start, not blocks running); ``None``: all
+    SMs. Applies to ``"graph"`` and ``"stream"`` execution only (the CPU has no side stream)."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_len", "pack_segments", "max_queued"):
@@ -104,6 +109,12 @@ class DrafterTrainConfig:
             raise ValueError(f"eval_temperature must be > 0, got {self.eval_temperature!r}")
         if self.execution not in _EXECUTIONS:
             raise ValueError(f"execution must be one of {_EXECUTIONS}, got {self.execution!r}")
+        if self.side_stream_sms is not None and self.side_stream_sms < 1:
+            raise ValueError(f"side_stream_sms must be >= 1 or None (every SM), got {self.side_stream_sms!r}")
+
+
+_GREEN_CONTEXTS: dict[tuple[int, int], Any] = {}
+"""The green contexts of side streams by (device index, SMs), alive for the process."""
 
 
 class DrafterTrainer:
@@ -165,7 +176,8 @@ class DrafterTrainer:
         self._vocab: Tensor | None = None  # (Vd,) head rows the loss compares (`set_vocabulary`), None: all
         self._graph: Any = None
         self._captured_at: tuple[int, ...] = ()  # `_addresses()` at the capture
-        self._stream: Any = torch.cuda.Stream(device=dev) if execution in ("graph", "stream") else None
+        self._green: Any = None  # the green context the side stream belongs to (kept alive with it)
+        self._stream: Any = self._side_stream(dev) if execution in ("graph", "stream") else None
         slots = config.max_queued if self._stream is not None else 0
         self._pinned = [torch.empty_like(self._plan, device="cpu").pin_memory() for _ in range(slots)]
         self._slot_done: list[Any] = [None] * slots
@@ -178,6 +190,28 @@ class DrafterTrainer:
         self.train_time_s = 0.0
         """Time the finished steps took: GPU time from CUDA events, else host time."""
         self._window_time_s = 0.0  # the same since the last take_stats
+
+    def _side_stream(self, dev: torch.device) -> Any:
+        """A new stream on ``dev``: of a green context of ``config.side_stream_sms`` SMs, if set."""
+        sms = self.config.side_stream_sms
+        if sms is None:
+            return torch.cuda.Stream(device=dev)
+        from torch.cuda import green_contexts
+
+        total = torch.cuda.get_device_properties(dev).multi_processor_count
+        if sms > total:
+            raise ValueError(f"side_stream_sms must be at most the device's {total} SMs, got {sms}")
+        if not getattr(green_contexts, "SUPPORTED", False):
+            raise RuntimeError(f"side_stream_sms={sms} needs CUDA green contexts, which this torch "
+                               f"({torch.__version__}) was not built with; leave it None")  # fmt: skip
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        key = (index, sms)
+        if key not in _GREEN_CONTEXTS:  # one per (device, SMs), never destroyed: memory the caching
+            # allocator keeps for its streams outlives any trainer (freeing it into a destroyed
+            # context aborts the process, seen on the H200)
+            _GREEN_CONTEXTS[key] = green_contexts.GreenContext.create(num_sms=sms, device_id=index)
+        self._green = _GREEN_CONTEXTS[key]
+        return self._green.Stream()
 
     # ------------------------------------------------------------------ the step
     def loss(self, drafter: EagleDrafter, batch: EagleBatch) -> DrafterLossOutput:

@@ -99,6 +99,11 @@ def test_warmup_schedule_and_validation() -> None:
         DrafterTrainConfig(execution="async")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="needs a CUDA drafter"):
         make_trainer("graph")
+    with pytest.raises(ValueError, match=r"side_stream_sms must be >= 1 or None \(every SM\), got 0"):
+        DrafterTrainConfig(side_stream_sms=0)
+    # a GPU setting in a config run on the CPU: no side stream there, so nothing to partition
+    eager = make_trainer(side_stream_sms=16)
+    assert eager.execution == "eager" and eager._stream is None and eager.enqueue(1) == 1
 
 
 def test_nonfinite_loss_is_skipped_on_the_device() -> None:
