@@ -57,8 +57,10 @@ def replay_beside(
     engine: RolloutEngine, phase: str, width: int, trainer: DrafterTrainer, rounds: int = 3, priority: bool = False
 ) -> float | None:
     """GPU time of one replay of ``engine``'s ``phase`` graph at one row while ``trainer``'s steps run
-    on its side stream (median of ``rounds``; each queues the trainer's full queue, then times 20 replays);
-    ``priority``: the replays go to a stream of the highest priority (CUDA maps -100 to it)."""
+    on its side stream (median of ``rounds``; each queues the trainer's full queue, then times 20 replays:
+    the queue must outlast them, ``--queue``, or replays alone dilute the figure; each arm's row says
+    whether it did, ``covered``); ``priority``: the replays go to a stream of the highest priority (CUDA
+    maps -100 to it)."""
     if graph_replay_ms(engine, 1, phase, width) is None:
         return None
     stream = torch.cuda.Stream(priority=-100) if priority else None
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=20, help="timed drafter steps per arm")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     p.add_argument("--side-sms", default="", help="comma-separated SM counts: bf16_vocab on a green context of each")
+    p.add_argument("--queue", type=int, default=32,
+                   help="drafter steps queued before the timed replays: their work must outlast the replays")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU: a check of the script")
     args = p.parse_args(argv)
@@ -93,6 +97,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--side-sms counts must be >= 1, got {args.side_sms!r}")
     if args.smoke:
         args.size, args.vocab_rows, args.steps, side_sms = "tiny", 64, 2, []
+    if args.queue < 1:
+        raise SystemExit(f"--queue must be >= 1, got {args.queue}")
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
     policy = build_model("qwen2", args.size, seed=0).to(device)  # float32 master weights, as the e2e trains
@@ -103,7 +109,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     buffer = FeatureReplayBuffer(1 << 16, heldout_fraction=0.0, seed=0, device=device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
         add_policy_features(buffer, policy, seqs, [40] * len(seqs), batch_size=8)
-    config = DrafterTrainConfig()  # the co-training callback's batch shape: 8 rows of 512 tokens
+    if cuda and side_sms and max(side_sms) > torch.cuda.get_device_properties(device).multi_processor_count:
+        raise SystemExit(f"--side-sms counts must be at most the device's "
+                         f"{torch.cuda.get_device_properties(device).multi_processor_count} SMs, got {args.side_sms!r}")
+    # the co-training callback's batch shape (8 rows of 512 tokens); a deep queue, so that drafter work
+    # outlasts the timed decode replays beside it at every SM count
+    config = DrafterTrainConfig(max_queued=args.queue)
     summary: dict[str, Any] = {}
     engines: dict[str, RolloutEngine] = {}
     if cuda:
@@ -147,6 +158,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row["decode_step_ms_beside"] = replay_beside(engines["decode"], "decode", 1, trainer)
             row["spec_step_ms_beside_priority"] = replay_beside(engines["spec"], "spec", 5, trainer, priority=True)
             row["decode_step_ms_beside_priority"] = replay_beside(engines["decode"], "decode", 1, trainer, priority=True)
+            widest = max([v for k, v in row.items() if "_beside" in k and v is not None], default=0.0)
+            row["covered"] = args.queue * row["step_ms"] >= 20 * widest  # the queue outlasted the 20 replays
         summary[arm] = row
         print(f"[drafter_step] {arm}: {row}", flush=True)
         del trainer, drafter
