@@ -159,7 +159,7 @@ def warm_start_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 DRAFTER_KEYS = ("drafter_prompts", "drafter_samples", "drafter_steps", "drafter_lr", "max_new")
 RUN_KEYS = ("steps", "prompts", "generations", "max_new", "lr", "micro_batch", "micro_batch_tokens", "threshold",
             "engine", "master_weights")
-TLT_KEYS = ("cotrain_lr", "stall_steps")
+TLT_KEYS = ("cotrain_lr", "stall_steps", "side_stream_sms")
 """Settings only a (``tlt``) reads: they key a's file alone, so changing them reuses b's runs."""
 TRL_KEYS = ("trl_steps", "trl_budget_s", "prompts", "generations", "max_new", "lr", "micro_batch", "master_weights")
 
@@ -531,6 +531,7 @@ def run_lightning(
                 stall_threshold=args.threshold,
                 learning_rate=args.cotrain_lr,
                 max_steps_per_event=args.stall_steps,
+                side_stream_sms=args.side_stream_sms,
                 publish_every_n_steps=1,
             )
         )
@@ -961,6 +962,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="most drafter steps queued at one stall event (0: the drafter is not trained in the stalls, only "
         "warm-started; splits speculation from the stall training)",
     )  # fmt: skip
+    p.add_argument(
+        "--side-stream-sms", type=int, default=None,
+        help="a: the drafter's stall steps on a CUDA green context of this many SMs (DrafterTrainConfig."
+        "side_stream_sms; default: every SM)",
+    )
     p.add_argument("--steps", type=int, default=20, help="RL steps of configurations a and b")
     p.add_argument("--skip", type=int, default=2, help="first steps left out of the means (compile, capture)")
     p.add_argument("--trl-steps", type=int, default=3)
@@ -1051,6 +1057,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.step_timeout_s < 0 or args.watchdog_s < 0:
         raise ValueError(f"--step-timeout-s and --watchdog-s must be >= 0 (0: off), got {args.step_timeout_s} and "
                          f"{args.watchdog_s}")
+    if args.side_stream_sms is not None and args.side_stream_sms < 1:
+        raise ValueError(f"--side-stream-sms must be >= 1 (default: every SM), got {args.side_stream_sms}")
     if args.stall_steps < 0:
         raise ValueError(f"--stall-steps must be >= 0 (0: no drafter steps in the stalls), got {args.stall_steps}")
     return args
@@ -1064,9 +1072,9 @@ def carry(args: argparse.Namespace, source: Path, parts: Path, trl_dir: Path) ->
     """Put the runs of an earlier report (``--carry``) into this machine's cache where it has none.
 
     Only runs measured with this call's settings are taken: the report's workload must be this one
-    (else a `ValueError` before any work), and each run's settings (`RUN_KEYS`, `DRAFTER_KEYS`, a's
+    (else a `ValueError` before any work), and the runs' settings (`RUN_KEYS`, `DRAFTER_KEYS`,
     `TLT_KEYS`; TRL's `TRL_KEYS`) must equal this call's, a setting the report predates counting as
-    its default. Returns what was carried; the report says so under ``carried``, and each carried run
+    its default. A seed's a and b are carried together, and only where neither is cached here. Returns what was carried; the report says so under ``carried``, and each carried run
     keeps the report it came from under ``carried_from`` (whichever later call reports it).
     """
     old = json.loads(source.read_text())
@@ -1078,12 +1086,19 @@ def carry(args: argparse.Namespace, source: Path, parts: Path, trl_dir: Path) ->
         return all(old["args"].get(k, defaults[k]) == getattr(args, k) for k in keys)
 
     taken = []
-    for run in old.get("runs", []):
-        keys = RUN_KEYS + DRAFTER_KEYS + (TLT_KEYS if run["name"] == "tlt" else ())
-        path = parts / run_file(args, run["name"], run["seed"])
-        if same(keys) and not path.is_file():
+    for seed in sorted({run["seed"] for run in old.get("runs", [])}):
+        # a seed's a and b together or not at all: each is paired with the other, and a carried one beside
+        # one measured here would compare runs from two warm starts
+        pair = {run["name"]: run for run in old["runs"] if run["seed"] == seed}
+        paths = {name: parts / run_file(args, name, seed) for name in ("nospec", "tlt")}
+        if set(pair) != set(paths) or not same(RUN_KEYS + DRAFTER_KEYS + TLT_KEYS):
+            continue
+        if any(path.is_file() for path in paths.values()):
+            continue
+        for name, path in paths.items():
+            run = pair[name]
             path.write_text(json.dumps({**run, "carried_from": run.get("carried_from", source.name)}, default=float))
-            taken.append(f"{run['name']}, seed {run['seed']}")
+            taken.append(f"{name}, seed {seed}")
     trl_path = trl_dir / "trl.json"
     if old.get("trl_runs") and same(TRL_KEYS) and not trl_path.is_file():
         trl_path.write_text(json.dumps(old["trl_runs"][0], default=float))
