@@ -65,13 +65,12 @@ def summarize(steps: list[dict[str, float]], skip: int = 2) -> dict[str, Any]:
     if not steps:
         raise ValueError("no per-step lines ('step N/M | reward ...') found: is this a lightning-tlt fit log?")
     corr = [s["correctness"] for s in steps if "correctness" in s]
-    quarter = max(len(corr) // 4, 1)
+    cuts = [round(i * len(corr) / 4) for i in range(5)]  # four runs of steps, every step in one
     times = [s["step_s"] for s in steps[skip:] if "step_s" in s]
     return {
         "steps": len(steps),
         "last_step": int(steps[-1]["step"]),
-        "correctness_by_quarter": [statistics.fmean(corr[i * quarter : (i + 1) * quarter]) for i in range(4)
-                                   if corr[i * quarter : (i + 1) * quarter]],  # fmt: skip
+        "correctness_by_quarter": [statistics.fmean(corr[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a],
         "correctness_first10": statistics.fmean(corr[:10]) if corr else float("nan"),
         "correctness_last10": statistics.fmean(corr[-10:]) if corr else float("nan"),
         "step_s": statistics.fmean(times) if times else float("nan"),
