@@ -106,6 +106,43 @@ def test_warmup_schedule_and_validation() -> None:
     assert eager.execution == "eager" and eager._stream is None and eager.enqueue(1) == 1
 
 
+def test_side_stream_sms_checks_the_count_and_keeps_one_green_context_per_device_and_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The green-context path's own logic (this machine has no CUDA: the device's SM count and the
+    context factory are stood in; the H200 run is in docs/benchmarks.md)."""
+    from types import SimpleNamespace
+
+    from torch.cuda import green_contexts
+
+    from lightning_tlt.drafters import trainer as trainer_module
+
+    created: list[tuple[int, int]] = []
+
+    class FakeContext:
+        def __init__(self, num_sms: int, device_id: int) -> None:
+            created.append((device_id, num_sms))
+
+        def Stream(self) -> object:  # noqa: N802 (torch's name)
+            return object()
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(green_contexts, "SUPPORTED", True)
+    monkeypatch.setattr(green_contexts.GreenContext, "create", staticmethod(lambda **kw: FakeContext(**kw)))
+    monkeypatch.setattr(trainer_module, "_GREEN_CONTEXTS", {})
+    cuda0 = torch.device("cuda", 0)
+    first, second = make_trainer(side_stream_sms=32), make_trainer(side_stream_sms=32)
+    first._side_stream(cuda0), second._side_stream(cuda0)
+    assert created == [(0, 32)] and first._green is second._green  # one context, outliving either trainer
+    make_trainer(side_stream_sms=64)._side_stream(cuda0)
+    assert created == [(0, 32), (0, 64)]
+    with pytest.raises(ValueError, match="side_stream_sms must be at most the device's 132 SMs, got 200"):
+        make_trainer(side_stream_sms=200)._side_stream(cuda0)
+    monkeypatch.setattr(green_contexts, "SUPPORTED", False)
+    with pytest.raises(RuntimeError, match=r"side_stream_sms=16 needs CUDA green contexts, which this torch"):
+        make_trainer(side_stream_sms=16)._side_stream(cuda0)
+
+
 def test_nonfinite_loss_is_skipped_on_the_device() -> None:
     policy = build_model("qwen2", "tiny", seed=0)
     buf = FeatureReplayBuffer(256, heldout_fraction=0.0)
