@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--queue must be >= 1, got {args.queue}")
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
+    total_sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else None
+    if total_sms is not None and side_sms and max(side_sms) > total_sms:  # before any arm (the trainer checks too)
+        raise SystemExit(f"--side-sms counts must be at most the device's {total_sms} SMs, got {args.side_sms!r}")
     policy = build_model("qwen2", args.size, seed=0).to(device)  # float32 master weights, as the e2e trains
     vocab = int(policy.config.vocab_size)
     gen = torch.Generator().manual_seed(0)
@@ -109,9 +112,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     buffer = FeatureReplayBuffer(1 << 16, heldout_fraction=0.0, seed=0, device=device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
         add_policy_features(buffer, policy, seqs, [40] * len(seqs), batch_size=8)
-    if cuda and side_sms and max(side_sms) > torch.cuda.get_device_properties(device).multi_processor_count:
-        raise SystemExit(f"--side-sms counts must be at most the device's "
-                         f"{torch.cuda.get_device_properties(device).multi_processor_count} SMs, got {args.side_sms!r}")
     # the co-training callback's batch shape (8 rows of 512 tokens); a deep queue, so that drafter work
     # outlasts the timed decode replays beside it at every SM count
     config = DrafterTrainConfig(max_queued=args.queue)

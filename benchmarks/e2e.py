@@ -446,7 +446,6 @@ class StepRecorder(Callback):
             log(f"{self.name}: deadline reached after {len(self.steps)} steps")
             trainer.should_stop = True
 
-
     def arm_watchdog(self, after_first_step: bool = False) -> None:
         """(Re-)arm the process watchdog: a step still running at its bound prints every thread's stack
         and ends the process (the runs cached before it survive; the log says where it hung)."""
@@ -1074,8 +1073,9 @@ def carry(args: argparse.Namespace, source: Path, parts: Path, trl_dir: Path) ->
     Only runs measured with this call's settings are taken: the report's workload must be this one
     (else a `ValueError` before any work), and the runs' settings (`RUN_KEYS`, `DRAFTER_KEYS`,
     `TLT_KEYS`; TRL's `TRL_KEYS`) must equal this call's, a setting the report predates counting as
-    its default. A seed's a and b are carried together, and only where neither is cached here. Returns what was carried; the report says so under ``carried``, and each carried run
-    keeps the report it came from under ``carried_from`` (whichever later call reports it).
+    its default. A seed's a and b are carried together, and only where neither is cached here.
+    Returns what was carried; the report says so under ``carried``, and each carried run keeps the
+    report it came from under ``carried_from`` (whichever later call reports it).
     """
     old = json.loads(source.read_text())
     if old.get("workload") != workload_key(args):
@@ -1086,14 +1086,13 @@ def carry(args: argparse.Namespace, source: Path, parts: Path, trl_dir: Path) ->
         return all(old["args"].get(k, defaults[k]) == getattr(args, k) for k in keys)
 
     taken = []
-    for seed in sorted({run["seed"] for run in old.get("runs", [])}):
+    runs_match = same(RUN_KEYS + DRAFTER_KEYS + TLT_KEYS)  # the report's settings, one for all its runs
+    for seed in sorted({run["seed"] for run in old.get("runs", [])} if runs_match else ()):
         # a seed's a and b together or not at all: each is paired with the other, and a carried one beside
         # one measured here would compare runs from two warm starts
         pair = {run["name"]: run for run in old["runs"] if run["seed"] == seed}
         paths = {name: parts / run_file(args, name, seed) for name in ("nospec", "tlt")}
-        if set(pair) != set(paths) or not same(RUN_KEYS + DRAFTER_KEYS + TLT_KEYS):
-            continue
-        if any(path.is_file() for path in paths.values()):
+        if set(pair) != set(paths) or any(path.is_file() for path in paths.values()):
             continue
         for name, path in paths.items():
             run = pair[name]
