@@ -611,16 +611,19 @@ def engine_metrics(stats: dict[str, float]) -> dict[str, float]:
     ``spec/fraction`` is the share of decode steps that speculated and ``spec/accept_len`` the
     mean tokens accepted per speculative row-step (the engine's ``spec/acceptance_length``); the
     engine's other ``spec/*`` figures pass through (per-position acceptance rates excepted).
-    ``rollout/warm_up_s``: only in a call that compiled its step profiles first (the first one, and
-    the first after a new drafter took over).
+    ``rollout/compile_s``, ``rollout/capture_s`` and ``rollout/graph_captures``: only in a call that
+    compiled a step function or captured a CUDA graph (each is done once, on first use).
     """
     m: dict[str, float] = {}
     for key, name in (("tokens_per_s", "rollout/tokens_per_s"), ("wall_time_s", "rollout/time_s"),
                       ("steps", "rollout/steps"), ("tokens_per_s/decode", "rollout/tokens_per_s_decode"),
-                      ("tokens_per_s/speculative", "rollout/tokens_per_s_speculative"),
-                      ("warm_up_s", "rollout/warm_up_s")):
+                      ("tokens_per_s/speculative", "rollout/tokens_per_s_speculative")):
         if key in stats:
             m[name] = float(stats[key])
+    if stats.get("compile/captures", 0.0) > 0 or stats.get("compile/compile_s", 0.0) > 0:
+        for key, name in (("compile/compile_s", "rollout/compile_s"), ("compile/capture_s", "rollout/capture_s"),
+                          ("compile/captures", "rollout/graph_captures")):
+            m[name] = float(stats.get(key, 0.0))
     decode, spec = stats.get("steps_decode", 0.0), stats.get("steps_speculative", 0.0)
     share = stats.get("spec/speculative_step_share", spec / (decode + spec) if decode + spec > 0 else 0.0)
     m["spec/fraction"] = float(share)

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from typing_extensions import override
 
+from lightning_tlt.core.compile_cache import default_cache_dir
 from lightning_tlt.models.tokenizer import build_tokenizer, encode_prompt
 from lightning_tlt.models.zoo import ZOO_SIZES, build_model, count_parameters, load_model, save_model
 from lightning_tlt.rl.sft import LengthGroupedBatchSampler, SFTCollator, SFTConfig, SFTModule
@@ -56,12 +57,6 @@ WARMSTART_VERSION = "2"
 
 METADATA_FILE = "warmstart.json"
 """Written next to the weights: the settings, the loss curve summary and the training time."""
-
-
-def default_cache_dir() -> Path:
-    """``$LIGHTNING_TLT_CACHE`` if set, else ``~/.cache/lightning_tlt``."""
-    env = os.environ.get("LIGHTNING_TLT_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "lightning_tlt"
 
 
 def warm_start_key(settings: dict[str, Any]) -> str:

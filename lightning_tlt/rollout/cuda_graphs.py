@@ -13,12 +13,15 @@ not depend on CUDA: a ``backend`` object does the capturing, so it can be exerci
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+from unittest import mock
 
 import torch
 
@@ -70,11 +73,12 @@ class CUDAGraphBackend:
         device: the CUDA device.
         generators: device generators the captured code draws from; each is registered with every
             graph so that a replay draws fresh numbers from its current state.
-        warmup_iters: eager runs (on a side stream) before a capture, as PyTorch requires.
+        warmup_iters: eager runs (on a side stream) before a capture, as PyTorch requires (one is
+            enough for compiled steps: the first run compiles, its kernels and workspaces are then set).
     """
 
     def __init__(
-        self, device: torch.device, generators: Sequence[torch.Generator] = (), warmup_iters: int = 2
+        self, device: torch.device, generators: Sequence[torch.Generator] = (), warmup_iters: int = 1
     ) -> None:
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
@@ -99,9 +103,6 @@ class CUDAGraphBackend:
                 reset()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        # torch.cuda.graph's __enter__ empties the allocator's cache: empty it first, or the warm-up's
-        # freed temporaries, released there, cancel the capture's own memory in the figures below
-        torch.cuda.empty_cache()
         # what the capture takes from the device: the allocator's reserve, and (device-wide) the
         # graph's own instantiation; the larger of the two (measured on the H200, the reserve alone
         # read 0: the shared pool had room from the warm-up)
@@ -110,12 +111,35 @@ class CUDAGraphBackend:
         graph = torch.cuda.CUDAGraph()
         for gen in self.generators:
             graph.register_generator_state(gen)
-        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+        with _cheap_capture(), torch.cuda.graph(graph, pool=self.pool, stream=stream):
             fn()
         torch.cuda.synchronize(self.device)
         free_after, _ = torch.cuda.mem_get_info(self.device)
         held = max(torch.cuda.memory_reserved(self.device) - before, free_before - free_after, 0)
         return _CudaCaptured(graph, held)
+
+
+def _cheap_capture() -> contextlib.AbstractContextManager[Any]:
+    """Around ``torch.cuda.graph``: its entry neither collects garbage nor empties the allocator's cache.
+
+    Both free memory for one graph, at a cost paid per capture (a full ``gc.collect`` walks every
+    Python object, Dynamo's caches included; emptying the cache makes the next allocations go back
+    to the driver), while the engine captures dozens of graphs into one shared pool (vLLM's capture
+    skips both the same way).
+    """
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(gc, "collect", lambda *args, **kwargs: 0))
+    stack.enter_context(mock.patch.object(torch.cuda, "empty_cache", lambda: None))
+    return stack
+
+
+def compile_seconds() -> float:
+    """Seconds Dynamo has spent compiling in this process (torch's own counter; 0 where it has none)."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:  # pragma: no cover - a torch without the counter
+        return 0.0
+    return float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
 
 
 @dataclass
@@ -131,13 +155,16 @@ class GraphStats:
     evictions: int = 0
     bytes: int = 0
     capture_time_s: float = 0.0
+    """Seconds in captures, their warm-up runs (and any compiling those did) included."""
+    compile_time_s: float = 0.0
+    """The part of ``capture_time_s`` that Dynamo spent compiling (a first use of a step function)."""
     captured: list[GraphProfile] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, float]:
         return {
             "captures": self.captures, "replays": self.replays, "hits": self.hits, "misses": self.misses,
             "eager_runs": self.eager_runs, "failures": self.failures, "evictions": self.evictions,
-            "bytes": self.bytes, "capture_time_s": self.capture_time_s,
+            "bytes": self.bytes, "capture_time_s": self.capture_time_s, "compile_time_s": self.compile_time_s,
         }
 
 
@@ -237,7 +264,7 @@ class CUDAGraphProfileCache:
         self, profile: GraphProfile, fn: Callable[[], None], reset: Callable[[], None] | None = None
     ) -> CapturedGraph | None:
         assert self.backend is not None
-        start = time.perf_counter()
+        start, compiled = time.perf_counter(), compile_seconds()
         try:
             graph = self.backend.capture(fn) if reset is None else self.backend.capture(fn, reset)
         except Exception as err:  # noqa: BLE001 - any capture failure means: run this profile eagerly
@@ -246,6 +273,7 @@ class CUDAGraphProfileCache:
             warnings.warn(f"CUDA graph capture of {profile} failed ({err!r}); running it eagerly", stacklevel=3)
             return None
         self.stats.capture_time_s += time.perf_counter() - start
+        self.stats.compile_time_s += compile_seconds() - compiled
         self.stats.captures += 1
         self.stats.captured.append(profile)
         self._graphs[profile] = graph

@@ -111,7 +111,9 @@ class SlotState:
             max_new=torch.zeros((), **long),
         )
         if max_draft_tokens > 0:
-            k, w = max_draft_tokens, max_draft_tokens + 1
+            # one column wider than the widest catch-up block (k + 1 rows): were a verify's k + 1 ever the
+            # buffer's width, Dynamo would specialise the compiled update on it and recompile for other k
+            k, w = max_draft_tokens, max_draft_tokens + 2
             state.spec = SpecSlots(
                 draft_tokens=torch.zeros(num_slots, k, **long),
                 draft_index=torch.zeros(num_slots, k, **long),

@@ -166,7 +166,7 @@ class SpeculativeStep:
         """Run the step's device functions uncompiled (also the fallback after a compiler failure)."""
         self._verify_update = verify_update
         self._draft_sample = draft_sample
-        self._catch_up_rows = self._chain_row = drafter_rows
+        self._catch_up_rows, self._chain_row = drafter_rows, chain_row
 
     # ------------------------------------------------------------------ per generate call
     def begin(self, lm_head: Any) -> None:
@@ -313,8 +313,8 @@ class SpeculativeStep:
         for j in range(k):
             if j > 0:
                 p = width + j - 1
-                feature = self._chain_row(drafter, feature[:, None], token[:, None], chain_pos[:, p : p + 1],
-                                             dk, dv, hole, cos[:, p : p + 1], sin[:, p : p + 1], ctx.attention)[:, 0]
+                feature = self._chain_row(drafter, feature, token, chain_pos[:, p : p + 1], dk, dv, hole,
+                                          cos[:, p : p + 1], sin[:, p : p + 1], ctx.attention)
             index, q = self._draft_sample(feature, head, bias, None if noise is None else noise[j], sampling)
             token = index if ids is None else ids[index]
             probs.append(q)
@@ -435,9 +435,14 @@ def catch_up_rows(*args: Any, **kwargs: Any) -> Tensor:
     return drafter_rows(*args, **kwargs)
 
 
-def chain_row(*args: Any, **kwargs: Any) -> Tensor:
-    """`drafter_rows` over one chained row (its own code object: its own compile cache)."""
-    return drafter_rows(*args, **kwargs)
+def chain_row(drafter: EagleDrafter, feature: Tensor, token: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """`drafter_rows` over one chained row: ``(B, H)`` feature and ``(B,)`` token -> ``(B, H)``.
+
+    Its own code object (its own compile cache). The row dimension is added and dropped inside: a
+    view made outside (``feature[:, None]`` of the last row's ``[:, 0]``) carries its base's strides,
+    on which Dynamo guards, and the second chained row recompiled the function.
+    """
+    return drafter_rows(drafter, feature[:, None], token[:, None], *args, **kwargs)[:, 0]
 
 
 

@@ -60,6 +60,21 @@ def compile_settings() -> contextlib.AbstractContextManager[None]:
     return cast(contextlib.AbstractContextManager[None], fx_config.patch(use_duck_shape=False))  # type: ignore[attr-defined]
 
 
+def mark_rows_dynamic(tokens: Tensor, positions: Tensor) -> None:
+    """Mark a forward's ``(B, q)`` inputs' rows, and tokens per row above one, dynamic for Dynamo.
+
+    Without it the first batch compiles a static version and the second a dynamic one (and the
+    first verify another static one): one trace of the whole policy each. Sizes 0 and 1 cannot be
+    dynamic (Dynamo specialises them): a decode's single token per row stays static.
+    """
+    import torch._dynamo
+
+    dims = [d for d in (0, 1) if tokens.shape[d] > 1]
+    if dims:
+        torch._dynamo.maybe_mark_dynamic(tokens, dims)
+        torch._dynamo.maybe_mark_dynamic(positions, dims)
+
+
 @dataclass(frozen=True)
 class SamplingKey:
     """The sampling settings a compiled step is specialised on (hashable: part of graph keys)."""

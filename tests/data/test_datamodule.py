@@ -207,9 +207,13 @@ def test_engine_metrics_names() -> None:
 
     stats = {"tokens_per_s": 100.0, "wall_time_s": 2.0, "steps": 26.0, "steps_decode": 9.0, "steps_speculative": 16.0,
              "spec/acceptance_length": 1.42, "spec/acceptance_rate_pos0": 0.4, "spec/speculative_step_share": 0.64,
-             "spec/gate_switches": 1.0, "tokens_per_s/decode": 33.9, "warm_up_s": 4.5}
+             "spec/gate_switches": 1.0, "tokens_per_s/decode": 33.9, "compile/compile_s": 3.5,
+             "compile/capture_s": 4.5, "compile/captures": 8.0}
     m = engine_metrics(stats)
-    assert m["rollout/tokens_per_s"] == 100.0 and m["rollout/time_s"] == 2.0 and m["rollout/warm_up_s"] == 4.5
+    assert m["rollout/tokens_per_s"] == 100.0 and m["rollout/time_s"] == 2.0 and m["rollout/capture_s"] == 4.5
+    assert m["rollout/compile_s"] == 3.5 and m["rollout/graph_captures"] == 8.0
+    quiet = engine_metrics({**stats, "compile/compile_s": 0.0, "compile/capture_s": 0.0, "compile/captures": 0.0})
+    assert not any(k in quiet for k in ("rollout/compile_s", "rollout/capture_s", "rollout/graph_captures"))
     assert m["spec/fraction"] == 0.64 and m["spec/accept_len"] == 1.42 and m["spec/gate_switches"] == 1.0
     assert m["rollout/tokens_per_s_decode"] == 33.9
     assert not any("_pos" in k for k in m)

@@ -8,6 +8,7 @@ deterministic cost model so that "which arm is faster" is a fact of the test, no
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig, StepEven
 from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.drafters.suffix import SuffixDrafter
 from lightning_tlt.models.zoo import build_model
-from lightning_tlt.rollout.cuda_graphs import CUDAGraphProfileCache
+from lightning_tlt.rollout.cuda_graphs import CUDAGraphProfileCache, GraphProfile
 from lightning_tlt.rollout.engine import RolloutEngine
 from lightning_tlt.rollout.steps import SamplingKey
 
@@ -313,70 +314,93 @@ def test_every_step_shape_of_a_speculating_engine_stays_compiled(monkeypatch: py
         assert dynamo_config.recompile_limit >= 64 and engine.compile_failures == []
 
 
-def test_a_compiled_engine_compiles_a_new_drafters_steps_before_its_first_rollout(
+def _recording_compile(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``torch.compile`` with Dynamo's guards and no Inductor (fast), recording each compiled version's function."""
+    compiled: list[str] = []
+    compile_ = torch.compile
+
+    def recording(fn: Any, **kw: Any) -> Any:
+        name = getattr(fn, "__name__", type(fn).__name__)
+
+        def backend(gm: torch.fx.GraphModule, inputs: list[Any]) -> Any:
+            compiled.append(name)
+            return gm.forward
+
+        return compile_(fn, **{**kw, "backend": backend})
+
+    monkeypatch.setattr(torch, "compile", recording)
+    return compiled
+
+
+def test_each_step_function_compiles_once_for_every_bucket_and_draft_length(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # measured on the H200: one RL step spent 46-53 s compiling the EAGLE step's profiles in the middle
-    # of the first rollout after the drafter took over (Dynamo specialises size 1, duck sizing assumed
-    # batch == slots, k + 1 == the catch-up width). Buckets start at 2 when compiled, duck sizing is
-    # off around the steps, and every profile the gate and tuner allow is compiled before the first
-    # prompt of a call that meets a new drafter: later calls compile nothing (Dynamo's guards;
-    # backend="eager" for speed), and the warm-up draws nothing the rollouts see
+    # measured on the H200 (issue 29): the e2e's first RL step traced the 24-layer policy three times
+    # (static batch, then dynamic, then a verify) and compiled 55 graphs' worth of versions in 108 s.
+    # Now each step function has one version for every batch bucket and draft length, compiled on its
+    # first use: the forward two (a decode's one token a row, which Dynamo specialises, and a verify's
+    # k + 1), the verify update two (a host drafter's drafts without probabilities, EAGLE's with), the
+    # others one; the calls after the ones that first met them compile nothing
     from torch._dynamo.utils import counters
 
-    compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
     torch._dynamo.reset()
+    compiled = _recording_compile(monkeypatch)
     policy = build_model("qwen2", "tiny", seed=0)
     spec = SpeculativeConfig(method="suffix", threshold=16)  # as the e2e's a: suffix first, EAGLE handed over
     engine = RolloutEngine(policy, max_batch_size=32, max_seq_len=200, compile=True, use_cuda_graphs=False,
-                           speculative=spec)  # fmt: skip
+                           speculative=spec, compile_cache=False)  # fmt: skip
     assert engine.tuner is not None  # measured step times would make the k choices, so the rollouts, vary
     engine.tuner.cost_model = lambda k, rows: 1e-3 * (1 + 0.1 * k)  # (CI on 2 busy cores: no lone row)
     prompts = [[3, 17, 25, 9, 40, 11][: 3 + i % 4] for i in range(8)]
     lone: list[int] = []  # steps at one active row, per call
     engine.add_listener(lambda event: lone.__setitem__(-1, lone[-1] + (event.active_rows == 1)))
-    compiled, outputs = [], []
+    per_call, ks, speculated = [], set(), []
     for call in range(5):
-        if call == 1:
+        if call == 2:
             engine.set_drafter(EagleDrafter.from_target(policy, generator=torch.Generator().manual_seed(1)))
         lone.append(0)
         before = counters["stats"]["unique_graphs"]
         sampling = SamplingConfig(temperature=1.0, max_new_tokens=60 + 30 * (call % 3), stop_token_ids=[5])
-        out = engine.generate(prompts, sampling, num_samples=4, generator=torch.Generator().manual_seed(call))
-        compiled.append(counters["stats"]["unique_graphs"] - before)
-        outputs.append((out.completion_ids, dict(engine.last_stats)))
+        engine.generate(prompts, sampling, num_samples=4, generator=torch.Generator().manual_seed(call))
+        per_call.append(counters["stats"]["unique_graphs"] - before)
+        ks |= {int(key.split("_k")[1].split("_")[0]) for key in engine.last_stats if key.startswith("tuner/b")}
+        speculated.append(engine.last_stats.get("spec/steps", 0) > 0)
+    assert speculated[1] and any(speculated[2:]), speculated  # the suffix drafter, then EAGLE
     assert sum(lone[1:]) > 0, f"the tails ran down to a lone row: {lone}"
+    assert len(ks - {0}) >= 2, f"several draft lengths were met: {ks}"
     assert engine._graphs is not None and engine._graphs.buckets[0] == 2
-    assert compiled[0] > 0 and compiled[1] > 0 and compiled[2:] == [0, 0, 0], compiled
-    assert all(stats.get("spec/steps", 0) > 0 for _, stats in outputs[1:3]), "EAGLE speculated"
-    warmed = ["warm_up_s" in stats for _, stats in outputs]
-    assert warmed == [True, True, False, False, False], warmed  # first call; the new drafter's first
-    assert outputs[1][1]["warm_up_captures"] == 0  # no graphs on the CPU: compiled only
+    assert sorted(compiled) == sorted(["_model_step", "_model_step", "decode_update", "verify_update",
+                                       "verify_update", "catch_up_rows", "chain_row", "draft_sample"]), compiled
+    assert sum(per_call) == len(compiled), per_call  # every version Dynamo made is one of those
     assert engine.compile_failures == []
 
 
-def test_the_warm_up_draws_nothing_the_rollouts_see(monkeypatch: pytest.MonkeyPatch) -> None:
-    # the warm-up's steps sample from the engine's generator: unrestored, a call that warms up would
-    # sample other rollouts than the same call without (a resumed run would part from the uninterrupted one)
+def test_capturing_draws_nothing_the_rollouts_see(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a capture runs the live step (warm-up, capture) from a snapshot and restores it, the generator
+    # included: a call that captures samples what the same call replaying its graphs samples
+    from test_cuda_graphs import WarmupBackend
+
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
-    engine = RolloutEngine(build_model("qwen2", "tiny", seed=0), max_batch_size=8, max_seq_len=64, compile=True)
+    engine = RolloutEngine(build_model("qwen2", "tiny", seed=0), max_batch_size=8, max_seq_len=64, compile=True,
+                           compile_cache=False)  # fmt: skip
+    engine._ensure_buffers()
+    assert engine._graphs is not None
+    engine._graphs = CUDAGraphProfileCache(WarmupBackend(), buckets=engine._graphs.buckets, max_batch=8)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=24)
     prompts = [[3, 17, 25], [9, 40, 11, 4]]
     first = engine.generate(prompts, sampling, num_samples=3, generator=torch.Generator().manual_seed(7))
-    assert "warm_up_s" in engine.last_stats
+    assert engine.last_stats["compile/captures"] > 0
     again = engine.generate(prompts, sampling, num_samples=3, generator=torch.Generator().manual_seed(7))
-    assert "warm_up_s" not in engine.last_stats
-    assert first.completion_ids == again.completion_ids
+    assert engine.last_stats["compile/captures"] == 0
+    assert first.completion_ids == again.completion_ids and first.logprobs == again.logprobs
 
 
-def test_the_warm_up_captures_every_profile_before_the_rollout_and_leaves_no_trace(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # the CUDA path on the CPU: a backend that warms up and captures as CUDAGraphBackend does (two
-    # eager runs from the reset state, then the capture). With graphs, every profile is captured in
-    # the warm-up, none during the rollout, and the rollouts equal the same engine's without graphs
+def test_graphs_are_captured_on_first_use_only_and_leave_no_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the CUDA path on the CPU: a backend that warms up and captures as CUDAGraphBackend does. Every
+    # profile is captured when the rollout first meets it, never one it does not meet: speculative
+    # profiles only once the gate turned speculation on, at buckets it allows. The rollouts equal the
+    # same engine's without graphs
     from test_cuda_graphs import WarmupBackend
 
     compile_ = torch.compile
@@ -384,33 +408,50 @@ def test_the_warm_up_captures_every_profile_before_the_rollout_and_leaves_no_tra
     model = build_model("qwen2", "tiny", seed=0)
     prompts = [[4 + i % 50, 5 + (7 * i) % 60, 6 + i % 3] for i in range(12)]
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=24, stop_token_ids=[7, 9, 11, 13])
-    spec = SpeculativeConfig(method="eagle", draft_candidates=(2, 8), threshold=8, hysteresis_steps=1,
+    spec = SpeculativeConfig(method="eagle", draft_candidates=(2, 8), threshold=4, hysteresis_steps=1,
                              tuner_epsilon=0.5, tuner_min_samples=1)  # fmt: skip
     drafter = EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(0)).inference_copy()
-    outs, stats = [], []
+    outs, stats, met = [], [], []
     for graphs in (False, True):
-        engine = RolloutEngine(model, max_seq_len=48, max_batch_size=8, speculative=spec, compile=True)
+        engine = RolloutEngine(model, max_seq_len=48, max_batch_size=8, speculative=spec, compile=True,
+                               compile_cache=False)  # fmt: skip
         engine.drafter = drafter
         assert engine.tuner is not None
         engine.tuner.cost_model = lambda k, rows: 1e-3 * (1 + 0.1 * k)  # the same k choices in both runs
+        engine._ensure_buffers()
+        assert engine._graphs is not None
         if graphs:
-            engine._ensure_buffers()
-            assert engine._graphs is not None
             engine._graphs = CUDAGraphProfileCache(WarmupBackend(), buckets=engine._graphs.buckets, max_batch=8)
+        seen: set[tuple[str, int, int]] = set()
+        run = engine._run_step
+
+        def spy(profile: GraphProfile, fn: Any, run: Any = run, seen: set[Any] = seen) -> None:
+            seen.add((profile.phase, profile.batch, profile.tokens_per_row))
+            run(profile, fn)
+
+        monkeypatch.setattr(engine, "_run_step", spy)
         outs.append(engine.generate(prompts, cfg, num_samples=2, generator=torch.Generator().manual_seed(3)))
         stats.append(dict(engine.last_stats))
+        met.append(seen)
+        if graphs:
+            captured = {(p.phase, p.batch, p.tokens_per_row) for p in engine._graphs.stats.captured}
     assert outs[1].completion_ids == outs[0].completion_ids and outs[1].logprobs == outs[0].logprobs
-    # buckets 2, 4, 8: three plain profiles, and EAGLE at 2, 4, 8 rows x k in (2, 8)
-    assert stats[1]["warm_up_captures"] == 3 + 3 * 2
-    assert stats[1]["graphs_captures"] == stats[1]["warm_up_captures"]  # none while rows decoded
-    assert stats[1]["spec/steps"] > 0 and stats[0]["warm_up_captures"] == 0
+    assert captured == met[1] == met[0]  # every profile met, and only those
+    assert stats[1]["compile/captures"] == len(captured) and stats[0]["compile/captures"] == 0
+    assert {b for phase, b, _ in captured if phase == "decode"} == {2, 4, 8}
+    spec_rows = {b for phase, b, _ in captured if phase == "spec"}
+    assert spec_rows and max(spec_rows) <= 4, captured  # the gate allows 4 rows
+    # a call whose rows never fall to the gate's threshold captures no speculative profile
+    engine.generate(prompts[:4], SamplingConfig(temperature=1.0, max_new_tokens=4, stop_token_ids=[]),
+                    num_samples=2, generator=torch.Generator().manual_seed(4))
+    assert not [p for p in engine._graphs.stats.captured[len(captured):] if p.phase == "spec"]
 
 
-def test_a_staged_drafter_is_compiled_and_captured_before_it_takes_over(monkeypatch: pytest.MonkeyPatch) -> None:
-    # measured on the H200: with the suffix drafter first, the warm-up for the EAGLE drafter fell in the
-    # first rollout after the hand-over (33.8 s of the e2e's third RL step). A staged drafter's profiles
-    # are captured in the first call's warm-up; publishing copies the weights into the staged copy, and
-    # the call after the hand-over captures nothing, sampling what an engine given the drafter directly does
+def test_a_staged_drafters_graphs_survive_its_publication(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a staged drafter is held under its own graph handle: nothing is captured for it while the suffix
+    # drafter drafts (a profile a run never reaches is never captured); once published it captures its
+    # profiles on first use, a later publication copies weights into it and captures nothing, and it
+    # samples what an engine given the drafter directly samples
     from test_cuda_graphs import WarmupBackend
 
     compile_ = torch.compile
@@ -421,9 +462,11 @@ def test_a_staged_drafter_is_compiled_and_captured_before_it_takes_over(monkeypa
     spec = SpeculativeConfig(method="suffix", num_draft_tokens=4, threshold=8, hysteresis_steps=1)
     cold = EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(0))
     trained = EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(1))  # other weights
-    outs, stats = [], []
+    later = EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(2))
+    outs, spec_captures = [], []
     for staged in (True, False):
-        engine = RolloutEngine(model, max_seq_len=48, max_batch_size=8, speculative=spec, compile=True)
+        engine = RolloutEngine(model, max_seq_len=48, max_batch_size=8, speculative=spec, compile=True,
+                               compile_cache=False)  # fmt: skip
         engine._ensure_buffers()
         assert engine._graphs is not None
         engine._graphs = CUDAGraphProfileCache(WarmupBackend(), buckets=engine._graphs.buckets, max_batch=8)
@@ -431,17 +474,20 @@ def test_a_staged_drafter_is_compiled_and_captured_before_it_takes_over(monkeypa
             engine.stage_drafter(cold)
             assert engine._staged is not None and engine._staged[0] is not cold  # a frozen copy, not the trainee
         engine.generate(prompts, cfg, num_samples=2, generator=torch.Generator().manual_seed(2))
-        first = dict(engine.last_stats)
-        assert isinstance(engine.drafter, SuffixDrafter) and first["spec/steps"] > 0  # the suffix drafter drafted
+        assert isinstance(engine.drafter, SuffixDrafter) and engine.last_stats["spec/steps"] > 0
+        graphs = engine._graphs
+
+        def eagle(graphs: CUDAGraphProfileCache = graphs) -> list[GraphProfile]:
+            return [p for p in graphs.stats.captured if p.phase == "spec"]
+
+        assert eagle() == []  # nothing captured for a drafter that has not drafted
         assert engine.set_drafter(trained)
         outs.append(engine.generate(prompts, cfg, num_samples=2, generator=torch.Generator().manual_seed(3)))
-        stats.append((first, dict(engine.last_stats)))
-    (staged_first, staged_next), (plain_first, plain_next) = stats
-    # buckets 2, 4, 8: three plain profiles, and the staged drafter's EAGLE step at 2, 4, 8 rows (k = 4)
-    assert staged_first["warm_up_captures"] == 3 + 3 and plain_first["warm_up_captures"] == 3
-    # nothing left to capture (the count is the engine's since it was built)
-    assert "warm_up_s" not in staged_next and staged_next["graphs_captures"] == staged_first["graphs_captures"]
-    assert plain_next["warm_up_captures"] == 3 and plain_next["spec/steps"] > 0
+        first = len(eagle())
+        assert engine.set_drafter(later)
+        engine.generate(prompts, cfg, num_samples=2, generator=torch.Generator().manual_seed(3))
+        spec_captures.append((first, len(eagle()) - first))
+    assert spec_captures[0][0] > 0 and spec_captures[0][1] == 0, spec_captures
     assert outs[0].completion_ids == outs[1].completion_ids and outs[0].logprobs == outs[1].logprobs
 
 

@@ -1,0 +1,121 @@
+"""The engine's persistent compile cache: a round trip between processes, and bad files rebuilt, never fatal."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_tlt.core import compile_cache
+from lightning_tlt.core.compile_cache import MAGIC, CompileCache, resolve_cache_dir
+
+ENGINE_RUN = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from lightning_tlt.core.types import SamplingConfig
+from lightning_tlt.models.zoo import build_model
+from lightning_tlt.rollout.engine import RolloutEngine
+
+engine = RolloutEngine(build_model("qwen2", "tiny", seed=0), max_seq_len=24, max_batch_size=2, compile=True,
+                       compile_cache=sys.argv[1] if sys.argv[1] != "off" else False, log_compile=False)
+out = engine.generate([[5, 6, 7], [8, 9]], SamplingConfig(temperature=0.0, max_new_tokens=6, stop_token_ids=[]))
+print("RESULT " + json.dumps({"tokens": out.completion_ids, "hits": counters["inductor"]["fxgraph_cache_hit"],
+                              "misses": counters["inductor"]["fxgraph_cache_miss"]}))
+"""
+
+
+def _run(cache: str, inductor_dir: Path) -> dict[str, object]:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, "-c", ENGINE_RUN, cache], env=env, capture_output=True, text=True,
+                          timeout=600, check=False)  # fmt: skip
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(line[len("RESULT ") :])
+
+
+def test_a_second_process_compiles_from_the_runs_own_cache_with_the_same_greedy_tokens(tmp_path: Path) -> None:
+    # each process has its own empty Inductor cache (PyTorch's, in the temp folder on a real machine):
+    # only the kit's file can carry the first process's work to the second
+    cache = tmp_path / "compile"
+    first = _run(str(cache), tmp_path / "inductor-a")
+    files = list(cache.glob("steps-*.bin"))
+    assert len(files) == 1 and files[0].read_bytes().startswith(MAGIC)
+    assert first["misses"] > 0 and first["hits"] == 0
+    second = _run(str(cache), tmp_path / "inductor-b")
+    assert second["hits"] > 0 and second["misses"] == 0, second  # everything came from the file
+    uncached = _run("off", tmp_path / "inductor-c")
+    assert uncached["hits"] == 0 and not (tmp_path / "inductor-c" / "compile").exists()
+    assert first["tokens"] == second["tokens"] == uncached["tokens"]
+
+
+def _fresh(tmp_path: Path, key: dict[str, object] | None = None) -> CompileCache:
+    cache = CompileCache(tmp_path, key or {"model": "m"})
+    compile_cache._loaded.discard(cache.path)  # each test loads as a fresh process would
+    return cache
+
+
+def _write(cache: CompileCache, key: dict[str, object], blobs: list[bytes], sha: list[str] | None = None) -> None:
+    import hashlib
+
+    metas = [{"bytes": len(b), "sha256": (sha or [hashlib.sha256(x).hexdigest() for x in blobs])[i]}
+             for i, b in enumerate(blobs)]  # fmt: skip
+    cache.path.write_bytes(MAGIC + json.dumps({"key": key, "blobs": metas}).encode() + b"\n" + b"".join(blobs))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["checksum", "truncated", "foreign", "not_a_cache", "unreadable_artifacts"],
+)
+def test_a_bad_cache_file_is_removed_with_one_warning_and_nothing_raised(tmp_path: Path, damage: str) -> None:
+    cache = _fresh(tmp_path)
+    key = json.loads(json.dumps(cache.key, default=str))
+    if damage == "checksum":
+        _write(cache, key, [b"abc"], sha=["0" * 64])
+    elif damage == "truncated":
+        _write(cache, key, [b"abcdef"])
+        cache.path.write_bytes(cache.path.read_bytes()[:-3])
+    elif damage == "foreign":
+        _write(cache, {**key, "model": "another"}, [b"abc"])
+    elif damage == "not_a_cache":
+        cache.path.write_bytes(b"\x00garbage")
+    else:  # a well-formed file whose blob PyTorch cannot read
+        _write(cache, key, [b"not pickled artifacts"])
+    with pytest.warns(UserWarning, match=r"compile cache .* is unusable .*compiling afresh") as caught:
+        assert cache.load() is False
+    assert len(caught) == 1 and not cache.path.exists() and not cache.loaded
+
+
+def test_a_file_is_loaded_once_per_process_and_save_writes_nothing_without_artifacts(tmp_path: Path) -> None:
+    cache = _fresh(tmp_path)
+    assert cache.load() is False and cache.load() is False  # no file; and not looked at again
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        saved = cache.save()
+    assert saved == cache.path.exists()  # a process that compiled nothing with Inductor writes nothing
+
+
+def test_the_key_names_the_model_the_device_and_the_library_versions(tmp_path: Path) -> None:
+    a = CompileCache(tmp_path, {"model": {"hidden": 64}, "dtype": "torch.bfloat16"})
+    b = CompileCache(tmp_path, {"model": {"hidden": 128}, "dtype": "torch.bfloat16"})
+    assert a.path != b.path and a.path.parent == b.path.parent
+    assert a.key["versions"]["torch"] == torch.__version__ and "triton" in a.key["versions"]
+
+
+def test_the_cache_directory_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("LIGHTNING_TLT_CACHE", str(tmp_path))
+    monkeypatch.delenv("LIGHTNING_TLT_COMPILE_CACHE", raising=False)
+    assert resolve_cache_dir(None) == tmp_path / "compile" == resolve_cache_dir(True)
+    assert resolve_cache_dir(False) is None
+    assert resolve_cache_dir(tmp_path / "x") == tmp_path / "x"
+    for off in ("0", "false", "OFF", "no"):
+        monkeypatch.setenv("LIGHTNING_TLT_COMPILE_CACHE", off)
+        assert resolve_cache_dir(None) is None
+    monkeypatch.setenv("LIGHTNING_TLT_COMPILE_CACHE", str(tmp_path / "elsewhere"))
+    assert resolve_cache_dir(None) == tmp_path / "elsewhere"
+    assert resolve_cache_dir(False) is None  # the engine's own False wins
