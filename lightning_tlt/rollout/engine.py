@@ -182,7 +182,7 @@ class RolloutEngine:
         graph_memory_budget_bytes: int | None = None,
         prefill_chunk_tokens: int = 16384,
         attention: str = "auto",
-        fuse_projections: bool = False,
+        fuse_projections: bool = True,
         dtype: torch.dtype | str | None = None,
         compile_cache: bool | str | os.PathLike[str] | None = None,
         log_compile: bool = True,
