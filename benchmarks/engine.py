@@ -284,10 +284,14 @@ def kernel_profile(engine: RolloutEngine, args: argparse.Namespace, batch: int =
 def summary_of(result: dict[str, Any]) -> dict[str, Any]:
     """The issue's summary keys, from the rows measured in this run."""
     rows = {r["batch"]: r for r in result["rows"] if "error" not in r}
-    fused = {r["batch"]: r for r in result.get("fused_rows", []) if "error" not in r}
+    unfused = {r["batch"]: r for r in result.get("unfused_rows", []) if "error" not in r}
     verify = result.get("verify_cost", {})
     ratio = lambda b: (verify.get(f"b{b}") or {}).get("ratio")  # noqa: E731
+    cold = result.get("cold_start", {}).get("summary", {})
     return {
+        "first_call_s_b1": cold.get("first_call_s_b1"),
+        "warm_restart_s": cold.get("warm_restart_s"),
+        "capture_s_per_graph": cold.get("capture_s_per_graph"),
         "ms_per_step_b1": rows.get(1, {}).get("engine_ms_per_step"),
         "tok_s_b128": rows.get(128, {}).get("engine_tokens_per_s"),
         "verify5_over_decode_b1": ratio(1),
@@ -295,9 +299,9 @@ def summary_of(result: dict[str, Any]) -> dict[str, Any]:
         "long_context_ratio_b32": result.get("long_context", {}).get("ratio"),
         "hf_ratio_b1": rows.get(1, {}).get("speedup_vs_hf"),
         "hf_ratio_b128": rows.get(128, {}).get("speedup_vs_hf"),
-        # fuse_projections=True, measured in the same run (not an issue key: the road to ms_per_step_b1)
-        "fused_ms_per_step_b1": fused.get(1, {}).get("engine_ms_per_step"),
-        "fused_tok_s_b128": fused.get(128, {}).get("engine_tokens_per_s"),
+        # the default is fuse_projections=True; the unfused engine measured in the same run ("fused" part)
+        "unfused_ms_per_step_b1": unfused.get(1, {}).get("engine_ms_per_step"),
+        "unfused_tok_s_b128": unfused.get(128, {}).get("engine_tokens_per_s"),
     }
 
 
@@ -313,8 +317,10 @@ def main() -> None:
     parser.add_argument("--hf-batches", default="1,128", help="batches HF generate is run at (it is slow)")
     parser.add_argument("--verify-vocab", type=int, default=151936, help="vocabulary of the verify-cost model")
     parser.add_argument(
-        "--parts", default="rows,fused,profile,verify,long,budget",
-        help="which parts to run (fused: batches 1 and 128 with fuse_projections=True; profile: the kernels "
+        "--parts", default="coldstart,rows,fused,profile,verify,long,budget",
+        help="which parts to run (coldstart: build to first token at batch 1 in a fresh process on an empty "
+        "compile cache, then a warm restart, and one more graph's capture, see cold_start.py; fused: batches 1 "
+        "and 128 with fuse_projections=False, the baseline of the default fused engine; profile: the kernels "
         "of a batch-1 decode step, it needs rows' batch 1)",
     )
     parser.add_argument("--no-compile", action="store_true")
@@ -370,6 +376,16 @@ def main() -> None:
             Path(extra, out_path.name).write_text(json.dumps(result, indent=2))
 
     print(f"{card} | {params / 1e6:.0f} M params, floor {floor_ms:.3f} ms/step at {bandwidth / 1e9:.0f} GB/s")
+    if "coldstart" in parts:  # first: fresh processes, nothing of this one's compiling to lean on
+        import cold_start
+
+        cold_args = argparse.Namespace(
+            configs="b1", size=args.size, vocab_size=args.vocab_size, slots=min(128, max(batches)), rows=1,
+            samples=1, threshold=32, new_tokens=1, max_seq_len=args.prompt_len + args.new_tokens, fused=False,
+            smoke=args.smoke,
+        )
+        result["cold_start"] = cold_start.measure(cold_args)
+        dump()
     for batch in batches if "rows" in parts else []:
         try:
             row = bench_batch(engine, model, batch, args, device, floor_ms)
@@ -381,23 +397,23 @@ def main() -> None:
         result["kv_cache_bytes"] = engine._cache.nbytes if engine._cache is not None else None
         dump()
     if "fused" in parts:  # the same rows with q|k|v and gate|up as one GEMM each, side by side
-        fused_engine = RolloutEngine(
-            model, max_batch_size=max(batches), max_seq_len=max_seq, fuse_projections=True,
+        unfused_engine = RolloutEngine(
+            model, max_batch_size=max(batches), max_seq_len=max_seq, fuse_projections=False,
             use_cuda_graphs=False if args.no_graphs else None, compile=False if args.no_compile else None,
         )
         quiet = argparse.Namespace(**{**vars(args), "skip_hf": True})
-        print("fuse_projections=True (q|k|v and gate|up as one GEMM each):", flush=True)
-        result["fused_rows"] = []
+        print("fuse_projections=False (the baseline of the default, fused engine above):", flush=True)
+        result["unfused_rows"] = []
         for batch in [b for b in batches if b in (1, 128)] or batches[:1]:
             try:
-                row = bench_batch(fused_engine, model, batch, quiet, device, floor_ms)
+                row = bench_batch(unfused_engine, model, batch, quiet, device, floor_ms)
             except Exception as err:  # record and go on
                 row = {"batch": batch, "error": repr(err)}
-                print(f"fused, batch {batch}: FAILED {err!r}", flush=True)
-            result["fused_rows"].append(row)
+                print(f"unfused, batch {batch}: FAILED {err!r}", flush=True)
+            result["unfused_rows"].append(row)
             dump()
-        result["fused_bytes"] = fused_engine._runner.fused_bytes if fused_engine._runner is not None else 0
-        del fused_engine
+        result["fused_bytes"] = engine._runner.fused_bytes if engine._runner is not None else 0
+        del unfused_engine
     if "profile" in parts and 1 in batches:
         try:
             result["profile_b1"] = prof = kernel_profile(engine, args)

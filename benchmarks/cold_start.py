@@ -1,0 +1,214 @@
+"""Where a compiled engine's first rollout spends its seconds, cold and with its compile cache warm.
+
+Each measurement is a fresh process (`--child`): it builds the e2e's policy shape (the ``0.5b`` zoo
+model, bf16, random weights: compile and capture do not depend on the values), an engine of
+``--slots`` rows with the suffix drafter speculating and an EAGLE drafter staged (the e2e's
+configuration ``tlt``; ``--no-spec`` is ``nospec``), and runs a first ``generate`` whose rows fall
+below the gate's threshold so speculation turns on, then a second, steady call of the same size.
+It reports the first call's wall time split into Dynamo tracing, Inductor compiling, graph capture
+and the rest, the number of graphs captured, and the steady call's time. The parent runs the child
+twice on one compile cache directory: cold (empty) and warm (a restart of the same run).
+
+GPU: ``python benchmarks/cold_start.py`` (about 3-5 minutes). CPU smoke: ``--smoke``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+from _common import write_results
+
+from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig
+from lightning_tlt.drafters.eagle import EagleDrafter
+from lightning_tlt.models.zoo import build_model
+from lightning_tlt.rollout.engine import RolloutEngine
+
+
+def _compile_seconds() -> dict[str, float]:
+    """Dynamo's and Inductor's cumulative compile times in this process (torch's own counters)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    totals = {name: float(sum(times)) for name, times in compilation_time_metrics.items()}
+    dynamo = totals.get("_compile.compile_inner", 0.0)
+    backend = sum(v for k, v in totals.items() if "compile_fx" in k and "inner" in k) or totals.get(
+        "OutputGraph.call_user_compiler", 0.0
+    )
+    return {"dynamo_total_s": dynamo, "backend_s": backend}
+
+
+def child_b1(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine benchmark's cold start: build to first token at batch 1, then captures at larger batches.
+
+    ``build_to_first_token_s``: the engine built and a one-token ``generate`` at batch 1 (prefill, and
+    the first decode step's compile and capture). Then a few tokens at batches 4 to ``--slots``: each
+    captures its bucket's graph with the step functions compiled already, so their seconds over
+    their captures are what one more CUDA graph costs (``capture_s_per_graph``).
+    """
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    size = "tiny" if args.smoke else args.size
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model("qwen2", size, vocab_size=args.vocab_size, seed=0).to(device=device, dtype=dtype).eval()
+    vocab = model.config.vocab_size
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    engine = RolloutEngine(model, max_batch_size=args.slots, max_seq_len=args.max_seq_len, compile=True)
+    one = SamplingConfig(temperature=1.0, max_new_tokens=1, stop_token_ids=[])
+    engine.generate([[5, 6, 7, 8]], one, generator=torch.Generator().manual_seed(0))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    stats0 = dict(engine.graph_stats)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=4, stop_token_ids=[])
+    batches = [b for b in (4, 8, 16, 32, 64, 128, 256) if b <= args.slots]
+    t0 = time.perf_counter()
+    for b in batches:
+        prompts = torch.randint(3, vocab, (b, 8), generator=torch.Generator().manual_seed(b)).tolist()
+        engine.generate(prompts, cfg, generator=torch.Generator().manual_seed(1))
+    more = time.perf_counter() - t0
+    stats1 = dict(engine.graph_stats)
+    captures = stats1["captures"] - stats0["captures"]
+    pure = (stats1["capture_time_s"] - stats0["capture_time_s"]) - (stats1["compile_time_s"] - stats0["compile_time_s"])
+    return {"build_to_first_token_s": first, "first_graphs": stats0, "more_batches": batches,
+            "more_wall_s": more, "more_captures": captures,
+            "capture_s_per_graph": pure / captures if captures else None,
+            "compile_s_in_more": stats1["compile_time_s"] - stats0["compile_time_s"]}
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    t_build = time.perf_counter()
+    size = "tiny" if args.smoke else args.size
+    model = build_model("qwen2", size, seed=0, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model.to(device).eval()
+    spec = None if args.no_spec else SpeculativeConfig(method="suffix", threshold=args.threshold, hysteresis_steps=4)
+    kwargs: dict[str, Any] = {"fuse_projections": True} if args.fused else {}
+    engine = RolloutEngine(model, max_batch_size=args.slots, max_seq_len=args.max_seq_len, compile=True,
+                           speculative=spec, **kwargs)  # fmt: skip
+    if spec is not None:
+        engine.stage_drafter(EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(1)).to(device))
+    build_s = time.perf_counter() - t_build
+    rows = args.rows
+    prompts = torch.randint(3, min(200, engine.vocab_size), (rows // args.samples, 24), generator=torch.Generator().manual_seed(0)).tolist()
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens, stop_token_ids=[])
+    out: dict[str, Any] = {"build_s": build_s}
+    for name in ("first", "steady"):
+        before = _compile_seconds()
+        start = time.perf_counter()
+        engine.generate(prompts, cfg, num_samples=args.samples, generator=torch.Generator().manual_seed(1))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        after = _compile_seconds()
+        stats = dict(engine.last_stats)
+        out[name] = {
+            "wall_s": wall,
+            "dynamo_s": after["dynamo_total_s"] - before["dynamo_total_s"],
+            "backend_s": after["backend_s"] - before["backend_s"],
+            "compile": {k: v for k, v in stats.items() if k.startswith("compile/")},
+            "spec_steps": stats.get("spec/steps", 0.0),
+            "graph_stats": engine.graph_stats,
+        }
+    out["cache"] = dict(engine.last_stats.get("compile_cache", {})) if isinstance(
+        engine.last_stats.get("compile_cache"), dict) else {}
+    return out
+
+
+def child_flags(args: argparse.Namespace, *, spec: bool) -> list[str]:
+    """The command line of a child measuring one configuration with the parent's settings."""
+    names = ("size", "slots", "rows", "samples", "threshold", "new_tokens", "max_seq_len", "vocab_size")
+    flags = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in names if getattr(args, name) is not None]
+    flags += [f"--{name}" for name in ("fused", "smoke") if getattr(args, name)]
+    return flags + ([] if spec else ["--no-spec"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="0.5b")
+    parser.add_argument("--vocab-size", type=int, default=None, help="the b1 configuration's vocabulary")
+    parser.add_argument("--slots", type=int, default=64)
+    parser.add_argument("--rows", type=int, default=16, help="rows of each call (below --threshold: it speculates)")
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--threshold", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--max-seq-len", type=int, default=4224)
+    parser.add_argument("--no-spec", action="store_true")
+    parser.add_argument("--fused", action="store_true")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--configs", default="nospec,tlt", help="which of nospec,tlt,b1 to run")
+    parser.add_argument("--b1", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(child_b1(args) if args.b1 else child(args), default=float), flush=True)
+        return
+    results = measure(args)
+    write_results(results, "cold_start", smoke=args.smoke, cuda=torch.cuda.is_available(), out=args.out)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Each configuration twice in fresh processes on one empty compile cache: cold, then a warm restart."""
+    results: dict[str, Any] = {
+        "benchmark": "cold_start", "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "card": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("child", "out")}, "runs": {},
+    }
+    for config in args.configs.split(","):
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "LIGHTNING_TLT_CACHE": cache}
+            flags = child_flags(args, spec=config != "nospec") + (["--b1"] if config == "b1" else [])
+            for start in ("cold", "warm"):
+                t0 = time.perf_counter()
+                proc = subprocess.run([sys.executable, __file__, "--child", *flags], env=env, capture_output=True,
+                                      text=True, check=False)
+                line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+                if line is None:
+                    print(proc.stdout[-3000:], proc.stderr[-5000:], flush=True)
+                    raise SystemExit(f"{config} {start}: child failed (exit {proc.returncode})")
+                run = json.loads(line[len("RESULT "):])
+                run["process_s"] = time.perf_counter() - t0
+                results["runs"][f"{config}_{start}"] = run
+                if config == "b1":
+                    print(f"b1      {start:5s} | process {run['process_s']:6.1f} s | build to first token "
+                          f"{run['build_to_first_token_s']:6.2f} s | {run['more_captures']:.0f} more graphs, "
+                          f"{run['capture_s_per_graph'] or 0:.3f} s each", flush=True)
+                    continue
+                first = run["first"]
+                print(f"{config:7s} {start:5s} | process {run['process_s']:6.1f} s | build {run['build_s']:5.1f} s | "
+                      f"first call {first['wall_s']:6.1f} s (dynamo {first['dynamo_s']:5.1f}, backend "
+                      f"{first['backend_s']:5.1f}, captures {first['graph_stats'].get('captures', 0):.0f} in "
+                      f"{first['graph_stats'].get('capture_time_s', 0):5.1f} s) | steady call "
+                      f"{run['steady']['wall_s']:5.2f} s", flush=True)
+    results["summary"] = summary_of(results["runs"])
+    return results
+
+
+def summary_of(runs: dict[str, Any]) -> dict[str, Any]:
+    """Cold and warm figures of the configurations measured (b1: the engine benchmark's keys)."""
+    out: dict[str, Any] = {}
+    if "b1_cold" in runs:
+        out["first_call_s_b1"] = runs["b1_cold"]["build_to_first_token_s"]
+        out["capture_s_per_graph"] = runs["b1_cold"]["capture_s_per_graph"]
+    if "b1_warm" in runs:
+        out["warm_restart_s"] = runs["b1_warm"]["build_to_first_token_s"]
+    for config in ("nospec", "tlt"):
+        for start in ("cold", "warm"):
+            if f"{config}_{start}" in runs:
+                out[f"{config}_first_call_{start}_s"] = runs[f"{config}_{start}"]["first"]["wall_s"]
+    return out
+
+
+if __name__ == "__main__":
+    main()
