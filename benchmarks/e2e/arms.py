@@ -19,6 +19,7 @@ from lightning_tlt.core.types import SpeculativeConfig, StepEvent
 from lightning_tlt.data.datamodule import RolloutDataModule
 from lightning_tlt.rl.config import GRPOConfig
 from lightning_tlt.rl.grpo import GRPOModule
+from lightning_tlt.rl.warmstart import warm_start_metadata
 from lightning_tlt.tasks import get_task
 
 from .options import ROOT, E2EOptions
@@ -46,10 +47,13 @@ def code_commit(given: str | None) -> str:
         return "unknown"
 
 
-def provenance(commit: str | None) -> dict[str, Any]:
-    """A measured unit's provenance: the code's commit, the date it ended, the device it ran on."""
+def provenance(commit: str | None, policy_dir: Path) -> dict[str, Any]:
+    """A measured unit's provenance: the code's commit, the date it ended, the device it ran on, and the
+    warm start it began from (its cache name and final SFT loss: units of one warm start share both)."""
+    meta = warm_start_metadata(policy_dir)
     return {"commit": code_commit(commit), "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "device": device_name(), "measured": True}
+            "device": device_name(), "measured": True,
+            "warm_start": {"policy": policy_dir.name, "final_loss": meta["final_loss"]}}
 
 
 class StepRecorder(Callback):
@@ -307,7 +311,7 @@ def run_lightning(
         "steps": recorder.steps,
         "graph_stats": dict(graphs) if isinstance(graphs, dict) else None,
         "error": error,
-        "provenance": provenance(args.commit),
+        "provenance": provenance(args.commit, policy_dir),
     }
     del trainer, module, data, policy, callbacks, recorder
     free()
@@ -402,7 +406,7 @@ def run_trl(args: E2EOptions, seed: int, policy_dir: Path, budget_s: float) -> d
         "mean_length": [h.get("completions/mean_length") for h in logged],
         "lengths": lengths,
         "generation_dtype": TRL_GENERATION if cuda else "float32",
-        "provenance": provenance(args.commit),
+        "provenance": provenance(args.commit, policy_dir),
     }
     del trainer
     free()

@@ -89,6 +89,8 @@ class E2EOptions:
     reported in a section of its own (``capped``), for when TRL's steps at --max-new do not fit."""
     cap_seeds: str = "0"
     """Comma-separated seeds of the ``cap`` stage's a and b (TRL runs the first)."""
+    cap_steps: int | None = None
+    """RL steps of the ``cap`` stage's a and b (default: --steps)."""
     est_run_s: float = 360.0
     """First guess of one run (a or b), loading and capture included."""
     engine: dict[str, Any] = field(default_factory=dict)
@@ -126,9 +128,10 @@ class E2EOptions:
             raise ValueError(f"--stall-steps must be >= 0 (0: no drafter steps in the stalls), got {self.stall_steps}")
         if self.cap is not None and not 1 <= self.cap <= self.max_new:
             raise ValueError(f"--cap must be in [1, --max-new = {self.max_new}], got {self.cap}")
-        if self.trl_steps < 1 or self.steps < 1 or not 0 <= self.skip < self.steps:
-            raise ValueError(f"--steps and --trl-steps must be >= 1 and --skip in [0, --steps), got steps "
-                             f"{self.steps}, trl_steps {self.trl_steps}, skip {self.skip}")
+        steps = min(self.steps, self.cap_steps or self.steps)
+        if self.trl_steps < 1 or not 0 <= self.skip < steps:
+            raise ValueError(f"--trl-steps must be >= 1 and --skip in [0, --steps and --cap-steps), got trl_steps "
+                             f"{self.trl_steps}, skip {self.skip}, steps {self.steps}, cap_steps {self.cap_steps}")
         for name in ("seeds", "cap_seeds"):
             try:
                 [int(s) for s in getattr(self, name).split(",")]
@@ -153,7 +156,8 @@ class E2EOptions:
     def capped(self) -> E2EOptions:
         """These options at the shared cap (``max_new = cap``): the ``cap`` section's runs, cached by it."""
         assert self.cap is not None
-        return dataclasses.replace(self, max_new=self.cap, seeds=self.cap_seeds, carry=None)
+        return dataclasses.replace(self, max_new=self.cap, seeds=self.cap_seeds, steps=self.cap_steps or self.steps,
+                                   carry=None)
 
     def settings(self) -> dict[str, Any]:
         """The options as the report records them (``args``)."""

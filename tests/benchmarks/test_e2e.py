@@ -252,4 +252,5 @@ def test_the_whole_pipeline_writes_a_report_its_units_give(e2e: ModuleType, tmp_
         assert max(n for batch in trl["lengths"] for n in batch) <= cap
         for unit in (a, b, trl):
             assert unit["provenance"]["commit"] == "feedbeef" and unit["provenance"]["measured"] is True
+            assert unit["provenance"]["warm_start"]["policy"] == report["warm_start"]["policy"]["dir"]
     assert report["capped"]["max_new"] == 32 and report["args"]["max_new"] == 48
