@@ -22,10 +22,11 @@ Modules: `options` (the options dataclass and its flags), `workload` (cache keys
 ``--carry``), `arms` (running a, b and c; each run a unit with its ``provenance``), `report` (every
 figure, computed from the units only: `report.recompute`), `plots`, `main` (one call).
 
-Stages (``--stage``, comma-separated, default ``all``): ``warmstart`` (SFT of the policy, bounded in
-time, then the drafter's warm start), ``ab`` (b, then a over b's number of steps, seed by seed),
-``trl``, ``cap`` (b, a and c at the shared shorter ``--cap``, for ``--cap-seeds``: the report's
-``capped`` section), and the report, which every call writes from all that is cached. Every unit is
+Stages (``--stage``, comma-separated, default ``all``), run in this order: ``warmstart`` (SFT of the
+policy, bounded in time, then the drafter's warm start), ``ab`` (b, then a over b's number of steps,
+seed by seed), ``cap`` (b, a and c at the shared shorter ``--cap``, for ``--cap-seeds``: the report's
+``capped`` section), ``trl`` (c at ``--max-new``: the longest unit, last), and the report, which
+every call writes from all that is cached. Every unit is
 cached under ``.cache/`` (git-ignored) as soon as it ends, keyed by the policy it starts from and its
 own settings, so a call that is stopped loses only the unit it was in; with ``--out``, each finished
 run is also copied to ``e2e_runs/`` beside it. ``--budget-s`` bounds one call: a unit starts only

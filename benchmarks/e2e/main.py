@@ -132,13 +132,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             carried += [f"{u}/cap{args.cap}" for u in carry(capped.args, old, name, capped.parts, capped.trl_dir, True)]
         log(f"carried from {name}: {', '.join(carried) or 'nothing (other settings, or already cached)'}")
 
+    # a and b seed by seed, then the cap's a, b and c, then c at --max-new (the longest unit, and the one
+    # that may not fit at all: last)
     if "ab" in stages:
-        for name in ("nospec", "tlt"):
-            main_.run_arm(name, args.seed_list[0], args.out)
-    if "trl" in stages:
-        main_.run_trl()
-    if "ab" in stages:
-        for seed in args.seed_list[1:]:
+        for seed in args.seed_list:
             for name in ("nospec", "tlt"):
                 main_.run_arm(name, seed, args.out)
     if "cap" in stages and capped is not None:
@@ -146,6 +143,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for name in ("nospec", "tlt"):
                 capped.run_arm(name, seed, args.out)
         capped.run_trl()
+    if "trl" in stages:
+        main_.run_trl()
     log(f"recomputed this call: {', '.join(recomputed) or 'nothing (all cached)'}")
     return report(args, main_, capped, warm, recomputed, carried)
 

@@ -17,6 +17,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
+LEGACY = {"e2e_h200_20261202.json", "e2e_h200_20261203.json", "e2e_h200_20261203_d3.json",
+          "e2e_h200_20261203_d3_bf16_drafter.json", "e2e_h200_20261203_d3_fp32.json", "e2e_h200_20261203_staged.json",
+          "e2e_h200_20261203_warmup.json", "e2e_h200_20261204_two_seeds.json"}
+"""The reports written before format 2, left as they were (docs/benchmarks.md quotes them as written)."""
 
 
 @pytest.fixture(scope="module")
@@ -128,11 +132,11 @@ def test_every_committed_e2e_report_of_format_2_is_its_units_recomputed(e2e: Mod
     from e2e.report import differences
 
     reports = sorted(RESULTS.glob("e2e_*.json"))
-    assert reports
+    old = {p.name for p in reports if json.loads(p.read_text()).get("format", 1) < 2}
+    assert old <= LEGACY  # a report committed from now on is of format 2, and checked
     for path in reports:
         report = json.loads(path.read_text())
-        if report.get("format", 1) < 2:
-            assert "provenance" not in json.dumps(report["runs"])[:100_000], path.name
+        if path.name in old:
             continue
         assert differences(report) == [], path.name
         # the names the issue asks for
@@ -239,8 +243,8 @@ def test_the_whole_pipeline_writes_a_report_its_units_give(e2e: ModuleType, tmp_
     report = json.loads(out.read_text())
     assert report["format"] == 2 and differences(report) == []
     assert report["recomputed_this_call"] == ["policy warm start", "drafter warm start", "nospec/seed0",
-                                              "tlt/seed0", "trl", "nospec/seed0/cap32", "tlt/seed0/cap32",
-                                              "trl/cap32"]
+                                              "tlt/seed0", "nospec/seed0/cap32", "tlt/seed0/cap32", "trl/cap32",
+                                              "trl"]
     for section, cap in ((report, 48), (report["capped"], 32)):
         a, b = (next(r for r in section["runs"] if r["name"] == n) for n in ("tlt", "nospec"))
         assert len(a["steps"]) == len(b["steps"]) == 3
