@@ -75,14 +75,20 @@ class Section:
         self.recomputed.append(f"{name}/seed{seed}{self.suffix}")
 
     def run_trl(self) -> None:
+        """c, unless a unit of all ``--trl-steps`` steps is cached; a shorter one (an earlier call's budget
+        ran out) is kept unless this call measures more steps."""
         path = self.trl_dir / "trl.json"
-        if path.is_file():
+        cached = load_json(path)
+        if cached is not None and len(cached["step_s"]) >= self.args.trl_steps:
             log(f"trl{self.tag}: cached")
             return
         if not self.budget.allows(self.args.trl_budget_s + 60, f"trl{self.tag}"):
             return
         seed = self.args.seed_list[0]
         run = run_trl(self.args, seed, self.policy_dir, min(self.args.trl_budget_s, self.budget.left() - 10))
+        if cached is not None and len(cached["step_s"]) >= len(run["step_s"]):
+            log(f"trl{self.tag}: {len(run['step_s'])} steps, no more than the cached unit's: kept that one")
+            return
         path.write_text(json.dumps(run, default=float))
         self.recomputed.append(f"trl{self.suffix}")
 

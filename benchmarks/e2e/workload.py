@@ -26,7 +26,9 @@ RUN_KEYS = ("steps", "prompts", "generations", "max_new", "lr", "micro_batch", "
             "engine", "master_weights")
 TLT_KEYS = ("cotrain_lr", "stall_steps", "side_stream_sms")
 """Settings only a (``tlt``) reads: they key a's file alone, so changing them reuses b's runs."""
-TRL_KEYS = ("trl_steps", "trl_budget_s", "prompts", "generations", "max_new", "lr", "micro_batch", "master_weights")
+TRL_KEYS = ("trl_steps", "prompts", "generations", "max_new", "lr", "micro_batch", "master_weights")
+"""c's settings (its time budget is not one: a unit that ran fewer than ``--trl-steps`` steps is measured
+again when a call's budget allows, and replaced only by one with more steps)."""
 TRL_GENERATION = "bfloat16"
 """c's weights, and so its HF ``generate``, in bf16 like a and b's rollouts (runs of float32
 generation, before the report's format 2, are keyed apart and never reused)."""

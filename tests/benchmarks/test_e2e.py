@@ -228,23 +228,35 @@ def test_the_e2e_step_watchdog_ends_a_hung_step_with_every_threads_stack() -> No
     assert 'File "<string>", line 6' in run.stderr
 
 
+@pytest.mark.slow  # about 40 s on 2 cores: two calls of the smoke pipeline
 def test_the_whole_pipeline_writes_a_report_its_units_give(e2e: ModuleType, tmp_path: Path) -> None:
-    """The smoke run, every stage on the CPU (tiny policy): a, b and c at --max-new, then at the cap."""
+    """The smoke run, every stage on the CPU (tiny policy): a, b and c at --max-new, then at the cap; c's
+    budget first too short for more than its first step, then (a second call) long enough for three."""
     from e2e.report import differences
 
     out = tmp_path / "e2e.json"
     argv = ["-m", "benchmarks.e2e", "--smoke", "--cache-dir", str(tmp_path / "cache" / "lightning_tlt"), "--out",
             str(out), "--plots", "", "--commit", "feedbeef"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    t0 = time.perf_counter()
-    run = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    print(f"smoke run: {time.perf_counter() - t0:.1f} s")
-    report = json.loads(out.read_text())
-    assert report["format"] == 2 and differences(report) == []
-    assert report["recomputed_this_call"] == ["policy warm start", "drafter warm start", "nospec/seed0",
-                                              "tlt/seed0", "nospec/seed0/cap32", "tlt/seed0/cap32", "trl/cap32",
-                                              "trl"]
+
+    def call(*more: str) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        run = subprocess.run([sys.executable, *argv, *more], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        print(f"smoke call: {time.perf_counter() - t0:.1f} s")
+        report = json.loads(out.read_text())
+        assert report["format"] == 2 and differences(report) == []
+        return report
+
+    first = call("--trl-budget-s", "0.01")  # the next TRL step never fits: one step each
+    assert first["recomputed_this_call"] == ["policy warm start", "drafter warm start", "nospec/seed0", "tlt/seed0",
+                                             "nospec/seed0/cap32", "tlt/seed0/cap32", "trl/cap32", "trl"]
+    for section in (first, first["capped"]):
+        assert len(section["trl_runs"][0]["step_s"]) == 1 and section["summary"]["trl"]["step_s"] is None
+        assert section["ratios"]["tlt_over_trl_step"] is None and section["ratios"]["tlt_over_trl_first_step"] > 0
+    report = call("--stage", "cap,trl")  # a and b cached; c measured again, with its steps this time
+    assert report["recomputed_this_call"] == ["trl/cap32", "trl"]
     for section, cap in ((report, 48), (report["capped"], 32)):
         a, b = (next(r for r in section["runs"] if r["name"] == n) for n in ("tlt", "nospec"))
         assert len(a["steps"]) == len(b["steps"]) == 3
