@@ -111,6 +111,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     log(f"workload {workload_key(args)}: {args.task} d{args.difficulty}, {args.size}, {args.prompts} prompts x "
         f"{args.generations}, max {args.max_new} new tokens (cap {args.cap}); stages {sorted(stages)}")
     recomputed: list[str] = []
+    old = json.loads(Path(args.carry).read_text()) if args.carry else None
+    if old is not None and old.get("workload") != workload_key(args):  # before any work
+        raise ValueError(f"--carry {args.carry}: its workload {old.get('workload')!r} is not this call's "
+                         f"{workload_key(args)!r}")
 
     policy_dir = warm_start_dir(args.task, args.arch, args.size, **warm_start_kwargs(args))
     warm: dict[str, Any] = {}
@@ -127,12 +131,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     main_ = Section(args, policy_dir, drafter_dir, budget, recomputed)
     capped = Section(args.capped(), policy_dir, drafter_dir, budget, recomputed, args) if args.cap else None
     carried: list[str] = []
-    if args.carry:
-        old = json.loads(Path(args.carry).read_text())
-        if old.get("workload") != workload_key(args):
-            raise ValueError(f"--carry {args.carry}: its workload {old.get('workload')!r} is not this call's "
-                             f"{workload_key(args)!r}")
-        name = Path(args.carry).name
+    if old is not None:
+        name = Path(str(args.carry)).name
         carried = carry(args, old, name, main_.parts, main_.trl_dir)
         if capped is not None and old.get("capped") and old["args"].get("cap") == args.cap:
             carried += [f"{u}/cap{args.cap}" for u in carry(capped.args, old, name, capped.parts, capped.trl_dir, True)]

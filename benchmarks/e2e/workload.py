@@ -290,7 +290,9 @@ def carry(args: E2EOptions, report: dict[str, Any], source: str, parts: Path, tr
     """
     defaults = E2EOptions().settings()
     old = (report.get("capped") or {}) if capped else report
-    old_args = {**report["args"], "max_new": report["args"].get("cap")} if capped else report["args"]
+    old_args = report["args"]
+    if capped:  # the section's own settings, as `E2EOptions.capped` derives them
+        old_args = {**old_args, "max_new": old_args.get("cap"), "steps": old_args.get("cap_steps") or old_args["steps"]}
 
     def same(keys: tuple[str, ...]) -> bool:
         return all(old_args.get(k, defaults[k]) == getattr(args, k) for k in keys)

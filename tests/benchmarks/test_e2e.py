@@ -196,6 +196,20 @@ def test_the_e2e_carries_only_runs_measured_with_this_calls_settings(e2e: Module
     assert e2e.carry(args, {**report, "format": 1}, "old.json", parts, trl) == []
     with pytest.raises(ValueError, match=r"--carry takes an earlier report's JSON file, got '.*nope.json' \(no such"):
         e2e.parse_args(["--carry", str(tmp_path / "nope.json")])
+    # the cap section's units, under the section's own settings (--cap as max_new, --cap-steps as steps)
+    capped = e2e.parse_args(["--cache-dir", args.cache_dir, "--cap", "1024", "--cap-steps", "8"]).capped()
+    assert (capped.max_new, capped.steps, capped.seeds) == (1024, 8, "0")
+    with_cap = {**report, "args": {**old_args, "cap": 1024, "cap_steps": 8}, "capped": {"runs": runs, "trl_runs": []}}
+    cap_parts = tmp_path / "cap"
+    cap_parts.mkdir()
+    assert e2e.carry(capped, with_cap, "old.json", cap_parts, trl, capped=True) == ["nospec/seed0", "tlt/seed0"]
+    assert e2e.carry(capped, {**with_cap, "args": {**old_args, "cap": 1024}}, "old.json", tmp_path, trl, True) == []
+    # a report of another workload is refused before any work
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({**report, "workload": "countdown_search-d3-100m-0123456789"}))
+    with pytest.raises(ValueError, match=r"its workload 'countdown_search-d3-100m-0123456789' is not this call's "
+                                         r"'countdown_search-d3-0.5b-"):
+        e2e.main(["--carry", str(path), "--cache-dir", args.cache_dir])
 
 
 def test_the_accuracy_verdict_refuses_what_cannot_show_a_loss(e2e: ModuleType) -> None:
