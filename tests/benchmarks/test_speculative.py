@@ -1,0 +1,37 @@
+"""benchmarks/speculative.py: capture steps tallied apart in their bins, never dropped."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_tlt.core.types import StepEvent
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_capture_steps_are_binned_apart_and_the_tail_rate_counts_them_on_request() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import speculative
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    binner = speculative.RowBinner()
+
+    def step(rows_after: int, tokens: int, seconds: float, captured: bool = False) -> None:
+        binner(StepEvent(step=0, phase="decode", active_rows=rows_after, queued_rows=0, num_slots=64,
+                         step_time_s=seconds, new_tokens=tokens, captured=captured))
+
+    step(8, 8, 0.01)  # the first step runs on its own rows (8)
+    step(4, 8, 0.50, captured=True)  # ran on 8 rows, and captured a graph: 0.5 s, apart
+    step(2, 4, 0.01)  # ran on 4 rows
+    step(1, 2, 0.02, captured=True)  # ran on 2 rows
+    binner(StepEvent(step=0, phase="done", active_rows=0, queued_rows=0, num_slots=64, step_time_s=0.0))
+    rates = binner.rates()
+    assert (rates["5-8"]["tokens"], rates["5-8"]["captured_tokens"]) == (8, 8)
+    assert rates["5-8"]["captured_s"] == 0.5 and rates["2-4"]["captured_s"] == 0.02
+    assert binner.captured_s == pytest.approx(0.52)
+    assert speculative.tail_rate(rates) == pytest.approx(12 / 0.02)  # the steps that captured nothing
+    assert speculative.tail_rate(rates, captures=True) == pytest.approx(22 / 0.54)  # every step
