@@ -158,7 +158,11 @@ class CompileCache:
 
         Atomic (a temporary file renamed over the old one): a reader never sees half a file.
         """
-        result = torch.compiler.save_cache_artifacts()
+        try:
+            result = torch.compiler.save_cache_artifacts()
+        except Exception as err:  # noqa: BLE001 - a cache that cannot be written costs the next start, not this run
+            warnings.warn(f"could not serialise the compile cache for {self.path}: {err!r}", stacklevel=2)
+            return False
         if result is None:
             return False
         new = result[0]
