@@ -88,7 +88,7 @@ class StepRecorder(Callback):
         self._engine_hooked = False
         self._nonfinite_before_update: list[str] = []
         self._nonfinite_after_update: list[str] = []
-        self._graphs_seen = (0.0, 0.0)  # the engine's (captures, capture seconds) at the last step's end
+        self._graphs_seen = (0.0, 0.0, 0.0)  # the engine's (captures, capture s, compile s) at the last step's end
 
     def _on_event(self, event: StepEvent) -> None:
         if event.phase == "done":
@@ -162,8 +162,9 @@ class StepRecorder(Callback):
         r["drafter_metrics"] = {k: float(v) for k, v in last.items() if isinstance(v, (int, float))}
         # graphs captured in this step (a one-time cost: the first time a batch bucket or k is met)
         graphs = getattr(trainer.datamodule.engine, "graph_stats", None) or {}  # type: ignore[attr-defined]
-        seen = (float(graphs.get("captures", 0.0)), float(graphs.get("capture_time_s", 0.0)))
-        r["graph_captures"], r["capture_s"] = seen[0] - self._graphs_seen[0], seen[1] - self._graphs_seen[1]
+        seen = (float(graphs.get("captures", 0.0)), float(graphs.get("capture_time_s", 0.0)),
+                float(graphs.get("compile_time_s", 0.0)))
+        r["graph_captures"], r["capture_s"], r["compile_s"] = (now_ - was for now_, was in zip(seen, self._graphs_seen))
         self._graphs_seen = seen
         self.steps.append(r)
         acc = f" accept {r['accept_len']:.2f}" if r["accept_len"] == r["accept_len"] else ""
@@ -174,7 +175,8 @@ class StepRecorder(Callback):
             f"{lp['p50']:.0f} max {lp['max']:.0f} | correct {r['correctness']:.3f} | spec "
             f"{100 * r['spec_fraction']:.0f}%{acc}" + (" eagle" if r["eagle_drafting"] == 1.0 else "")
             + f" | grad norm {r['grad_norm']:.3g}"
-            + (f" | {r['graph_captures']:.0f} graphs captured ({r['capture_s']:.1f} s)" if r["graph_captures"] else "")
+            + (f" | {r['graph_captures']:.0f} graphs captured ({r['capture_s']:.1f} s, compiling {r['compile_s']:.1f} s)"
+               if r["graph_captures"] else "")
             + "".join(f" | NOT FINITE {when}: {', '.join(names)}" for when, names in (
                 ("after the rollout", r["nonfinite_before_update"]), ("after the update", r["nonfinite_after_update"]),
                 ("after the boundary", r["nonfinite_after_boundary"])) if names)
