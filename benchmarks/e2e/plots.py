@@ -7,7 +7,8 @@ from typing import Any
 
 
 def plot(results: dict[str, Any], runs: list[dict[str, Any]], out_dir: Path) -> list[str]:
-    """Correctness curves a vs b, step-time split, length histogram, acceptance over steps (headless)."""
+    """Correctness curves a vs b, step-time split, length histogram, acceptance over steps, every step's wall
+    time per seed (headless)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,5 +81,26 @@ def plot(results: dict[str, Any], runs: list[dict[str, Any]], out_dir: Path) -> 
     ax.set_title("Acceptance length over steps (TLT)")
     ax.legend(fontsize=8)
     save(fig, "e2e_acceptance.png")
+
+    # every step's wall time, a and b side by side per seed; the steps that compiled marked (a one-time
+    # cost that lands wherever a step function is first used: step 0, or the step the EAGLE drafter
+    # first drives speculation)
+    seeds = sorted({run["seed"] for run in runs})
+    fig, axes = plt.subplots(1, len(seeds), figsize=(4 * len(seeds), 3.2), sharey=True, squeeze=False)
+    for ax, seed in zip(axes[0], seeds):
+        for run in (r for r in runs if r["seed"] == seed):
+            walls = [s["wall_s"] for s in run["steps"]]
+            color = "C0" if run["name"] == "tlt" else "C1"
+            ax.plot(walls, "-" if run["name"] == "tlt" else "--", color=color, label=run["name"])
+            hot = [(i, w) for i, (s, w) in enumerate(zip(run["steps"], walls)) if s.get("compile_s", 0.0) > 0.5]
+            if hot:
+                ax.plot(*zip(*hot), "x", color=color, markersize=8)
+        ax.set_yscale("log")
+        ax.set_xlabel("RL step")
+        ax.set_title(f"seed {seed}")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    axes[0][0].set_ylabel("wall seconds (x: the step compiled)")
+    axes[0][0].legend(fontsize=8)
+    save(fig, "e2e_step_wall.png")
     plt.close("all")
     return written
