@@ -4,8 +4,7 @@ Layers, bottom to top (``docs/architecture.md``): ``core`` < ``models`` < ``task
 ``rollout`` < ``rl`` < ``data`` < ``callbacks`` < ``integrations`` < the top-level modules (``cli``,
 ``trainer_cli``, ``__init__``). A module may import its own layer and those below it, never one
 above; and no two modules import each other, directly or in a circle (lazy imports inside
-functions count too). Deprecated aliases of moved modules (marked ``DeprecationWarning``) are
-exempt: they only re-export.
+functions count too). No module is exempt.
 """
 
 from __future__ import annotations
@@ -30,10 +29,6 @@ def layer_of(module: str) -> int:
     return LAYERS.index(parts[1])
 
 
-def is_alias(source: str) -> bool:
-    return "DeprecationWarning" in source and "import *" in source
-
-
 def imports_of(path: Path) -> set[str]:
     """``lightning_tlt`` modules imported anywhere in the file (module level or inside functions)."""
     tree = ast.parse(path.read_text())
@@ -47,7 +42,7 @@ def imports_of(path: Path) -> set[str]:
 
 
 def graph() -> dict[str, set[str]]:
-    modules = {module_name(p): p for p in PACKAGE.rglob("*.py") if not is_alias(p.read_text())}
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     edges: dict[str, set[str]] = {}
     for name, path in modules.items():
         targets = set()

@@ -53,6 +53,8 @@ from lightning_tlt.drafters.trainer import DrafterTrainConfig, DrafterTrainer
 from lightning_tlt.rl.common import PolicyFeatureSource
 
 WarmStart = Literal["none", "rollouts", "sft"]
+STATE_FORMAT = 2
+"""The checkpointed state's format (`DrafterCoTrainCallback.state_dict`); another is refused on load."""
 
 
 @dataclass
@@ -574,7 +576,7 @@ class DrafterCoTrainCallback(Callback):
         if self._eval_ready is None:  # an evaluation in flight is read now, so a resumed run has it too
             self._eval_ready = self.learner.take_evaluation()
         return {
-            "format": 2,
+            "format": STATE_FORMAT,
             "drafter": _weights(self.drafter),
             "published": _weights(self.published),
             "drafter_config": self.drafter.config.to_dict(),
@@ -593,6 +595,12 @@ class DrafterCoTrainCallback(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict.get("format") != STATE_FORMAT:  # before any state is touched
+            raise ValueError(
+                f"DrafterCoTrainCallback: the checkpoint's drafter state is of format {state_dict.get('format')!r}, "
+                f"this version reads format {STATE_FORMAT} only; resume with the version that wrote it, or drop "
+                "the callback's entry from the checkpoint to start the drafter afresh"
+            )
         # Lightning restores callbacks before on_fit_start builds the drafter and its trainer
         if self.drafter is not None and self.learner is not None:
             self._restore(state_dict)
@@ -608,21 +616,13 @@ class DrafterCoTrainCallback(Callback):
         self.version = int(state["version"])
         self.publications = int(state["publications"])
         self.buffer.load_state_dict(state["buffer"])
-        if state.get("format") == 2:
-            self.learner.load_state_dict(state["trainer"])
-            self.rl_steps = int(state["rl_steps"])
-            self._published_steps = int(state["published_steps"])
-            self._heldout = None if state["heldout"] is None else tuple(state["heldout"])  # type: ignore[assignment]
-            self._eval_ready = None if state["eval_ready"] is None else tuple(state["eval_ready"])  # type: ignore[assignment]
-            self._last_eval_step = int(state["last_eval_step"])
-            self._warm_started = bool(state["warm_started"])
-        else:  # a checkpoint of the first callback (its engine tuner state is no longer the callback's)
-            steps = int(state["total_steps"])
-            self.learner.load_state_dict(
-                {"optimizer": state["optimizer"], "attempted": steps, "skipped": state.get("skipped_nonfinite", 0),
-                 "steps_enqueued": steps}
-            )  # fmt: skip
-            self._warm_started = True
+        self.learner.load_state_dict(state["trainer"])
+        self.rl_steps = int(state["rl_steps"])
+        self._published_steps = int(state["published_steps"])
+        self._heldout = None if state["heldout"] is None else tuple(state["heldout"])  # type: ignore[assignment]
+        self._eval_ready = None if state["eval_ready"] is None else tuple(state["eval_ready"])  # type: ignore[assignment]
+        self._last_eval_step = int(state["last_eval_step"])
+        self._warm_started = bool(state["warm_started"])
         rank_zero_info(
             f"DrafterCoTrainCallback: resumed drafter version {self.version} after {self.learner.steps_enqueued} steps"
         )

@@ -345,17 +345,18 @@ class FeatureReplayBuffer:
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore `state_dict`'s contents at the same ring offsets. A checkpoint of the old format
-        (a summary without contents) restores the generator and the count only."""
-        self._generator.set_state(state_dict["generator"])
-        self._added = int(state_dict["added"])
+        """Restore `state_dict`'s contents at the same ring offsets."""
         if state_dict.get("format") != 2:
-            return
+            raise ValueError(
+                f"FeatureReplayBuffer: a state of format {state_dict.get('format')!r}; this version reads format 2 only"
+            )
         if int(state_dict["capacity_tokens"]) != self.capacity_tokens:
             raise ValueError(
                 f"the checkpoint's buffer holds {state_dict['capacity_tokens']} tokens, this one "
                 f"{self.capacity_tokens}: resume with the same buffer_tokens"
             )
+        self._generator.set_state(state_dict["generator"])
+        self._added = int(state_dict["added"])
         self.clear()
         self._head = int(state_dict["head"])
         seqs = [_Seq(row[0], row[1], row[2], row[3], row[4], row[5], bool(row[6]))

@@ -88,11 +88,6 @@ CUDA_FREE_MEMORY_FRACTION = 0.4
 Results = dict[int, tuple[list[int], list[float]]]
 
 
-def model_eos_ids(model: nn.Module) -> list[int]:
-    """The model's eos id(s) (deprecated name of `lightning_tlt.core.runner.eos_token_ids`)."""
-    return eos_token_ids(model)
-
-
 @dataclass
 class _Pending:
     """A launched step whose finish flags (and emitted counts) are on their way to the host."""

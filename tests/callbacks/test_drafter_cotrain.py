@@ -606,32 +606,21 @@ def test_eagle3_drafters_are_refused_for_cotraining() -> None:
         DrafterCoTrainCallback(feature_layers=(0, 1, 2)).setup_drafter(policy)
 
 
-def test_a_checkpoint_of_the_first_callback_still_loads() -> None:
-    """The first callback saved its engine tuner's state and no buffer contents: both are ignored."""
+def test_a_checkpoint_of_another_format_is_refused_before_any_state_is_touched() -> None:
+    """The first callback's format (no ``format`` key) is no longer read: a clear error, the callback untouched."""
     policy = build_model("qwen2", "tiny", seed=0)
     old = EagleDrafter.from_target(policy, generator=torch.Generator().manual_seed(3))
-    optimizer = torch.optim.AdamW(old.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)  # as it built it: not fused
-    for p in old.parameters():
-        p.grad = torch.ones_like(p)
-    optimizer.step()
-    state = {
-        "drafter": old.state_dict(), "published": old.inference_copy().state_dict(),
-        "drafter_config": old.config.to_dict(), "feature_layers": None, "optimizer": optimizer.state_dict(),
-        "scheduler": {"last_epoch": 12}, "version": 3, "publications": 3, "total_steps": 12,
-        "skipped_nonfinite": 1, "harvested_step": 2, "tuner": {"counts": {"8": [1, 2]}},
-        "buffer": {"summary": {"sequences": 9}, "generator": torch.Generator().manual_seed(5).get_state(), "added": 40},
-    }  # fmt: skip
-    cb = callback(warmup_steps=24)
-    cb.load_state_dict(state)
-    cb.setup_drafter(policy)
-    assert cb.learner is not None and cb.version == 3 and cb.published is not None
-    for name, value in old.state_dict().items():
-        assert torch.equal(cb.drafter.state_dict()[name], value), name
-    assert cb.learner.steps_enqueued == 12 and cb.learner.skipped_nonfinite == 1
-    assert cb.learner.learning_rate == pytest.approx(1e-3 * 13 / 24)  # the warmup continues where it was
-    assert cb.buffer.summary()["added"] == 40 and len(cb.buffer) == 0
-    fill_buffer(cb, policy, rollouts(policy, PROMPT, 2, 6, seed=1), len(PROMPT))
-    assert cb.learner.enqueue(1) == 1 and cb.learner.take_stats()["applied"] == 1
+    state = {"drafter": old.state_dict(), "version": 3, "publications": 3, "total_steps": 12}
+    cb = callback()
+    with pytest.raises(ValueError, match=r"format None, this version reads format 2 only"):
+        cb.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"format 1, this version reads format 2"):
+        cb.load_state_dict({**state, "format": 1})
+    assert cb._pending_state is None and cb.version == 0
+    buffer = cb.buffer
+    with pytest.raises(ValueError, match=r"FeatureReplayBuffer: a state of format None"):
+        buffer.load_state_dict({"generator": torch.Generator().get_state(), "added": 40})
+    assert buffer.summary()["added"] == 0
 
 
 def test_bf16_mixed_trainer_cotrains_in_bf16(tmp_path: Path) -> None:

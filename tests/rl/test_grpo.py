@@ -15,9 +15,9 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_tlt.callbacks.rollout_metrics import RolloutMetricsCallback
 from lightning_tlt.callbacks.rollout_progress import RolloutProgressCallback
 from lightning_tlt.core.types import SamplingConfig
-from lightning_tlt.data.batch import RolloutBatch
 from lightning_tlt.data.datamodule import RolloutDataModule
 from lightning_tlt.models.zoo import build_model
+from lightning_tlt.rl.batch import RolloutBatch
 from lightning_tlt.rl.common import PolicyFeatureSource
 from lightning_tlt.rl.config import GRPOConfig
 from lightning_tlt.rl.grpo import GRPOModule
