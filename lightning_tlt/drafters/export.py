@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_tlt.core.checksums import load_checkpoint
 from lightning_tlt.drafters.eagle import write_eagle_dir
 
 Which = Literal["published", "trained"]
@@ -112,7 +113,7 @@ def export_drafter(
 
     Raises:
         FileNotFoundError: no checkpoint at ``checkpoint_path``.
-        ValueError: the checkpoint holds no drafter, ``out_dir`` may not be written (`check_out_dir`) or
+        ValueError: the checkpoint is damaged (`lightning_tlt.core.checksums.CheckpointCorruptError`) or holds no drafter, ``out_dir`` may not be written (`check_out_dir`) or
             the weights are not finite (without ``allow_nonfinite``).
     """
     if which not in ("published", "trained"):
@@ -121,7 +122,7 @@ def export_drafter(
     if not checkpoint_path.is_file():
         raise FileNotFoundError(f"no checkpoint at {str(checkpoint_path)!r}")
     check_out_dir(out, overwrite)
-    checkpoint = torch.load(str(checkpoint_path), map_location="cpu", weights_only=False)
+    checkpoint = load_checkpoint(checkpoint_path)  # a damaged file, or a tensor failing its checksum: one line
     try:
         _, state = find_drafter_state(checkpoint)
     except ValueError as err:

@@ -199,3 +199,25 @@ def test_a_failed_export_leaves_the_previous_one_in_place(
         export_drafter(ckpt, out, overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == files
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter", "run.ckpt"]
+
+
+def test_a_corrupt_checkpoint_is_refused_in_one_line(
+    tmp_path: Path, tiny_qwen2: PreTrainedModel, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_tlt.core.checksums import add_checksums
+
+    ckpt = write_checkpoint(tmp_path / "run.ckpt", tiny_qwen2)
+    saved = torch.load(ckpt, weights_only=False)
+    add_checksums(saved)
+    torch.save(saved, ckpt)
+    key = "DrafterCoTrainCallback{'stall_threshold': 16}"
+    weight = saved["callbacks"][key]["published"]["fc.weight"]
+    data = bytearray(ckpt.read_bytes())
+    start = bytes(data).index(weight.numpy().tobytes())
+    data[start + 8] ^= 0x7F
+    ckpt.write_bytes(bytes(data))
+    assert main(["export-drafter", "--checkpoint_path", str(ckpt), "--out_dir", str(tmp_path / "out")]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"lightning-tlt export-drafter: error: {ckpt}: checkpoint is corrupt: tensor "
+                           f"{f'callbacks/{key}/published/fc.weight'!r} fails its checksum")
+    assert not (tmp_path / "out").exists()
