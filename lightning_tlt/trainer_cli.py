@@ -11,14 +11,17 @@ checksum: `lightning_tlt.core.checksums`).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Any
 
 import torch
 from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from lightning_tlt.callbacks.interrupt_checkpoint import exit_code
 from lightning_tlt.core.checksums import CheckpointCorruptError, load_checkpoint
 from lightning_tlt.data.datamodule import RolloutDataModule, check_task_names
 from lightning_tlt.rl.common import PolicySpec, RLModule, check_completion_length
@@ -168,4 +171,6 @@ def run(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"lightning-tlt {argv[0]}: error: {err}", file=sys.stderr)
         return 2
+    except SIGTERMException:  # Lightning's own stop on SIGTERM (InterruptCheckpoint exits 143 itself)
+        return exit_code(signal.SIGTERM)
     return 0

@@ -55,7 +55,7 @@ def crc32(tensor: torch.Tensor) -> int:
     flat = tensor.detach().reshape(-1)
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    data = flat.contiguous().view(torch.uint8).numpy() if flat.numel() else b""
+    data: Any = flat.contiguous().view(torch.uint8).numpy() if flat.numel() else b""
     return zlib.crc32(data, seed)
 
 

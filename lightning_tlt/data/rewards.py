@@ -239,8 +239,8 @@ def compute_rewards(
                 fail(f"reward function {name!r} raised {type(cause).__name__}: {cause} on the batch", cause,
                      "all its rewards NaN")
                 values, errors[name] = [None] * n, n
-        column = torch.tensor([_to_float(v) for v in values], dtype=torch.float32)  # the training dtype
-        bad = [i for i, v in enumerate(values) if v is not None and not math.isfinite(column[i])]
+        scores = torch.tensor([_to_float(v) for v in values], dtype=torch.float32)  # the training dtype
+        bad = [i for i, v in enumerate(values) if v is not None and not math.isfinite(scores[i])]
         if bad:
             more = f" (and {len(bad) - 1} more completions)" if len(bad) > 1 else ""
             value = values[bad[0]]
@@ -248,8 +248,8 @@ def compute_rewards(
             fail(f"reward function {name!r} returned {value!r}{overflow} {_where(prompts, completions, bad[0])}{more}",
                  None, "those rewards NaN, left out of the baseline")
             nonfinite[name] = len(bad)
-            column[bad] = math.nan
-        out[:, j] = column
+            scores[torch.tensor(bad)] = math.nan
+        out[:, j] = scores
     return RewardScores(out, errors, nonfinite)
 
 
