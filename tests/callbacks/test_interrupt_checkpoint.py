@@ -157,3 +157,52 @@ def test_the_cli_interrupted_by_a_real_signal_exits_with_its_code_and_leaves_las
     step = torch.load(last, weights_only=False)["global_step"]
     assert step >= 4 and step % ITERATIONS == 0, step  # a whole RL step, at least the one logged
     assert f"resume with --ckpt_path {last}" in output
+
+
+DDP_SCRIPT = '''
+import os, signal, sys
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning_tlt.callbacks.interrupt_checkpoint import InterruptCheckpoint
+from lightning_tlt.data.datamodule import RolloutDataModule
+from lightning_tlt.models.zoo import build_model
+from lightning_tlt.rl.config import GRPOConfig
+from lightning_tlt.rl.grpo import GRPOModule
+
+
+def digits(completions, **kw):
+    return [sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+
+
+class SignalRankOne(Callback):  # a SIGTERM that reaches rank 1 only, as RL step 1 starts
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == 1 and batch_idx == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        print(f"REPORT {trainer.global_rank} {trainer.global_step}", flush=True)
+
+
+if __name__ == "__main__":
+    module = GRPOModule(build_model("qwen2", "tiny", seed=0),
+                        GRPOConfig(num_generations=4, max_completion_length=8, learning_rate=1e-2))
+    data = RolloutDataModule("arithmetic", [digits], prompts_per_step=2, task_size=16)
+    pl.Trainer(max_steps=6, accelerator="cpu", devices=2, strategy="ddp", logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+               default_root_dir=sys.argv[1], callbacks=[SignalRankOne(), InterruptCheckpoint()]).fit(module, data)
+'''
+
+
+def test_under_ddp_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    script = tmp_path / "ddp_signal.py"
+    script.write_text(DDP_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert proc.returncode == 143, proc.stderr[-3000:]
+    import re
+
+    reports = sorted(re.findall(r"REPORT (\d) (\d+)", proc.stdout))
+    assert reports == [("0", "1"), ("0", "2"), ("1", "1"), ("1", "2")], proc.stdout  # both ranks ran steps 1 and 2
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == 2
