@@ -12,8 +12,10 @@ before the first step has started.
 An exception raised during training (a reward function that fails, an out-of-memory error) writes
 ``on_exception.ckpt`` instead, as Lightning's `OnExceptionCheckpoint` does: the state at that
 moment, inside an RL step, so resuming from it redoes that step (resumable, not bit for bit; the
-cadence checkpoint ``last.ckpt`` is left as it was). Under DDP it is not written (one rank's
-exception cannot wait for the others to save); ``last.ckpt`` is the one to resume from.
+cadence checkpoint ``last.ckpt`` is left as it was). Under DDP a failing rank cannot wait for the
+others (they may be blocked in a collective), and each holds the whole model: every rank that fails
+writes ``on_exception-rank{R}.ckpt`` on its own. Under sharded strategies (FSDP, DeepSpeed) no
+exception checkpoint is written; ``last.ckpt`` is the one to resume from.
 
 The decision to stop is agreed across ranks at every step's end (a max over ranks of the signal
 received), so a signal that reaches one rank stops them all at the same step.
@@ -31,6 +33,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -134,17 +137,19 @@ class InterruptCheckpoint(Callback):
             return  # before training, or after a signal's checkpoint
         if isinstance(exception, (KeyboardInterrupt, SystemExit, CheckpointCorruptError)):
             return  # asked to stop now, or nothing was trained
-        if trainer.world_size > 1:
-            rank_zero_warn(f"InterruptCheckpoint: an exception under {trainer.world_size} ranks is not checkpointed "
-                           f"(the other ranks cannot join the save); resume from {self._dir(trainer) / self.LAST_NAME}")
+        distributed = trainer.world_size > 1
+        if distributed and type(trainer.strategy) is not DDPStrategy:  # sharded state needs every rank to save
+            rank_zero_warn(f"InterruptCheckpoint: an exception under {type(trainer.strategy).__name__} is not "
+                           f"checkpointed (the other ranks cannot join the save); resume from "
+                           f"{self._dir(trainer) / self.LAST_NAME}")
             return
         try:
-            path = self._save(trainer, self.EXCEPTION_NAME)
+            path = self._save_alone(trainer) if distributed else self._save(trainer, self.EXCEPTION_NAME)
         except Exception as err:  # never mask the exception that stopped the run
             rank_zero_warn(f"InterruptCheckpoint: could not save after {type(exception).__name__}: {err}")
             return
-        rank_zero_info(f"{type(exception).__name__} stopped the run inside the RL step after optimizer step "
-                       f"{trainer.global_step}; saved to {path} (resuming from it redoes that RL step)")
+        print(f"{type(exception).__name__} stopped the run inside the RL step after optimizer step "
+              f"{trainer.global_step}; saved to {path} (resuming from it redoes that RL step)", file=sys.stderr)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -166,6 +171,16 @@ class InterruptCheckpoint(Callback):
         if isinstance(callback, ModelCheckpoint) and callback.dirpath:
             return Path(callback.dirpath)
         return Path(trainer.default_root_dir) / "checkpoints"
+
+    def _save_alone(self, trainer: pl.Trainer) -> Path:
+        """Under DDP, this rank's checkpoint without the other ranks (which may be blocked in a collective or
+        failing too): each rank holds the whole model, so it writes ``on_exception-rank{R}.ckpt`` itself."""
+        path = self._dir(trainer) / f"{Path(self.EXCEPTION_NAME).stem}-rank{trainer.global_rank}.ckpt"
+        # the Trainer's dump, as save_checkpoint makes it, but written by this rank (no barrier, no rank-0 filter)
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        trainer.strategy.checkpoint_io.save_checkpoint(checkpoint, path)
+        self.saved_path = path
+        return path
 
     def _save(self, trainer: pl.Trainer, name: str) -> Path:
         path = self._dir(trainer) / name

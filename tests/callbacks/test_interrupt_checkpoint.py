@@ -206,3 +206,38 @@ def test_under_ddp_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_pa
     assert reports == [("0", "1"), ("0", "2"), ("1", "1"), ("1", "2")], proc.stdout  # both ranks ran steps 1 and 2
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
     assert saved["global_step"] == 2
+
+
+DDP_EXCEPTION_SCRIPT = DDP_SCRIPT.replace(
+    "class SignalRankOne(Callback):", '''calls = []
+
+
+def fails_on_rank_one(completions, **kw):  # a grader that fails on rank 1's second RL step
+    calls.append(1)
+    if os.environ.get("LOCAL_RANK", "0") == "1" and len(calls) == 2:
+        raise RuntimeError("grader down")
+    return digits(completions)
+
+
+class SignalRankOne(Callback):''').replace("[digits]", "[fails_on_rank_one]").replace(
+    "os.kill(os.getpid(), signal.SIGTERM)", "pass")
+
+
+def test_under_ddp_the_failing_rank_writes_its_own_exception_checkpoint(tmp_path: Path) -> None:
+    script = tmp_path / "ddp_exception.py"
+    script.write_text(DDP_EXCEPTION_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode != 0
+    assert "grader down" in proc.stderr
+    path = tmp_path / "checkpoints" / "on_exception-rank1.ckpt"
+    assert f"saved to {path}" in proc.stderr, proc.stderr[-3000:]
+    from lightning_tlt.core.checksums import load_checkpoint
+
+    saved = load_checkpoint(path)  # whole, and every tensor passes its checksum
+    assert saved["global_step"] == 1
+    module, data = make()
+    resumed = trainer(tmp_path / "resumed", 3)
+    resumed.fit(module, data, ckpt_path=path)  # resumable on one process
+    assert resumed.global_step == 3
