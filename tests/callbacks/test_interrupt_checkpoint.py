@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -193,15 +194,18 @@ if __name__ == "__main__":
 '''
 
 
-def test_under_ddp_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
-    script = tmp_path / "ddp_signal.py"
-    script.write_text(DDP_SCRIPT)
+def run_ddp(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
+    """Run a two-rank script (this checkout first on the path) with ``tmp_path`` as its root folder."""
+    script = tmp_path / "ddp.py"
+    script.write_text(source)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600, env=env)
-    assert proc.returncode == 143, proc.stderr[-3000:]
-    import re
+    return subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env=env)
 
+
+def test_under_ddp_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
+    proc = run_ddp(tmp_path, DDP_SCRIPT)
+    assert proc.returncode == 143, proc.stderr[-3000:]
     reports = sorted(re.findall(r"REPORT (\d) (\d+)", proc.stdout))
     assert reports == [("0", "1"), ("0", "2"), ("1", "1"), ("1", "2")], proc.stdout  # both ranks ran steps 1 and 2
     saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=False)
@@ -224,11 +228,7 @@ class SignalRankOne(Callback):''').replace("[digits]", "[fails_on_rank_one]").re
 
 
 def test_under_ddp_the_failing_rank_writes_its_own_exception_checkpoint(tmp_path: Path) -> None:
-    script = tmp_path / "ddp_exception.py"
-    script.write_text(DDP_EXCEPTION_SCRIPT)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300, env=env)
+    proc = run_ddp(tmp_path, DDP_EXCEPTION_SCRIPT)
     assert proc.returncode != 0
     assert "grader down" in proc.stderr
     path = tmp_path / "checkpoints" / "on_exception-rank1.ckpt"

@@ -28,6 +28,14 @@ def checkpoint() -> dict:
     }
 
 
+def saved(path: Path) -> dict:
+    """`checkpoint()` with its checksums, written to ``path``."""
+    ckpt = checkpoint()
+    add_checksums(ckpt)
+    torch.save(ckpt, path)
+    return ckpt
+
+
 def flip_inside(path: Path, tensor: torch.Tensor, offset: int = 100) -> None:
     """Flip the bits of a few bytes in the middle of ``tensor``'s data, where it lies in the file."""
     data = bytearray(path.read_bytes())
@@ -55,10 +63,8 @@ def test_checksums_cover_every_tensor_by_path_and_round_trip(tmp_path: Path) -> 
 
 
 def test_flipped_bytes_inside_a_weight_name_the_file_and_the_tensor(tmp_path: Path) -> None:
-    ckpt = checkpoint()
-    add_checksums(ckpt)
     path = tmp_path / "run.ckpt"
-    torch.save(ckpt, path)
+    ckpt = saved(path)
     flip_inside(path, ckpt["state_dict"]["w"])
     unchecked = torch.load(path, weights_only=False)  # what torch.load alone gives: no error, wrong weights
     assert not torch.equal(unchecked["state_dict"]["w"], ckpt["state_dict"]["w"])
@@ -80,10 +86,8 @@ def test_a_missing_tensor_is_corrupt_too() -> None:
 
 
 def test_empty_truncated_and_garbled_files_are_one_line(tmp_path: Path) -> None:
-    ckpt = checkpoint()
-    add_checksums(ckpt)
     good = tmp_path / "good.ckpt"
-    torch.save(ckpt, good)
+    saved(good)
     data = good.read_bytes()
     (tmp_path / "empty.ckpt").write_bytes(b"")
     (tmp_path / "half.ckpt").write_bytes(data[: len(data) // 2])
