@@ -232,3 +232,11 @@ def test_trainer_fit_refuses_a_corrupt_checkpoint_before_loading_a_weight(tmp_pa
                                                      r"'state_dict/policy.lm_head.weight' fails its checksum"):
         trainer.fit(module, data, ckpt_path=ckpt)
     assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())  # not one weight loaded
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_every_shipped_config_keeps_last_ckpt_and_checkpoints_on_interrupt(config: Path) -> None:
+    callbacks = {c["class_path"]: c.get("init_args", {}) for c in yaml.safe_load(config.read_text())["trainer"]["callbacks"]}
+    assert "lightning_tlt.callbacks.interrupt_checkpoint.InterruptCheckpoint" in callbacks
+    cadence = callbacks["lightning.pytorch.callbacks.ModelCheckpoint"]
+    assert cadence["save_last"] is True and 1 <= cadence["every_n_train_steps"] <= 10
