@@ -493,7 +493,7 @@ class RolloutEngine:
         ids = validate_prompts(prompts, self.vocab_size, max_new_tokens=sampling.max_new_tokens,
                                max_seq_len=self.max_seq_len, positions=policy_positions(self._hf))
         stop_ids = eos_token_ids(self._model) if sampling.stop_token_ids is None else list(sampling.stop_token_ids)
-        check_stop_ids(stop_ids, self.vocab_size)
+        check_stop_ids(sampling.stop_token_ids or [], self.vocab_size)  # the caller's; the model's are its own
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids are supported, got {stop_ids!r}")
         gen = self._generator(generator)

@@ -492,7 +492,7 @@ class VLLMRolloutEngine:
             prompts, self.vocab_size, max_new_tokens=sampling.max_new_tokens, max_seq_len=self.max_seq_len,
             positions=self._positions,
         )
-        check_stop_ids(self._eos_ids if sampling.stop_token_ids is None else sampling.stop_token_ids, self.vocab_size)
+        check_stop_ids(sampling.stop_token_ids or [], self.vocab_size)  # the caller's; the model's are its own
         return [list(p) for p in ids]
 
     def sampling_params(self, sampling: SamplingConfig, num_samples: int, seed: int) -> SamplingParams:
