@@ -431,7 +431,8 @@ class RLModule(pl.LightningModule):
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["nonfinite_grad_steps"] = [self._nonfinite_steps, self._nonfinite_in_a_row]
-        add_checksums(checkpoint)  # last: the callbacks' and the datamodule's states are in already
+        # last: the callbacks' and the datamodule's states are in already (a subclass adds its own before calling this)
+        add_checksums(checkpoint)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
