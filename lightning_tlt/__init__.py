@@ -67,6 +67,7 @@ _EXPORTS: dict[str, str] = {
     "DrafterCoTrainConfig": "lightning_tlt.callbacks.drafter_cotrain",
     "RolloutMetricsCallback": "lightning_tlt.callbacks.rollout_metrics",
     "RolloutProgressCallback": "lightning_tlt.callbacks.rollout_progress",
+    "InterruptCheckpoint": "lightning_tlt.callbacks.interrupt_checkpoint",
     # integrations (vllm and trl are imported only when these are used)
     "VLLMRolloutEngine": "lightning_tlt.rollout.vllm_engine",
     "make_engine": "lightning_tlt.rollout.factory",

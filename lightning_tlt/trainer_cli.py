@@ -3,20 +3,26 @@
 Every typed ``__init__`` argument of the module (``model: class_path: lightning_tlt.rl.grpo.GRPOModule``
 or ``PPOModule``) and of the datamodule (``data:``) is a YAML key. Before any class is built (the
 policy's warm start is an SFT run), the parsed config is checked for what would otherwise fail
-late: a GPU config on a machine without a GPU, an unknown task name or difficulty.
+late: a GPU config on a machine without a GPU, an unknown task name or difficulty, a ``--ckpt_path``
+that does not exist or is not a sound checkpoint (unreadable, truncated, or a tensor failing its
+checksum: `lightning_tlt.core.checksums`).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Any
 
 import torch
 from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+from lightning_tlt.callbacks.interrupt_checkpoint import exit_code
+from lightning_tlt.core.checksums import CheckpointCorruptError, load_checkpoint
 from lightning_tlt.data.datamodule import RolloutDataModule, check_task_names
 from lightning_tlt.rl.common import PolicySpec, RLModule, check_completion_length
 
@@ -50,6 +56,9 @@ class TLTLightningCLI(LightningCLI):
         # LightningCLI warns when both ``args`` and sys.argv hold arguments; ``lightning-tlt`` passes sys.argv
         # on as ``args`` (after its own subcommand dispatch), so the warning would greet every call
         self.config = parser.parse_args(args)
+        # before LightningCLI itself reads the checkpoint (for its hyperparameters), and before any class is built
+        subcommand = self.config.get("subcommand")
+        check_ckpt_path(_get(self.config[subcommand], "ckpt_path") if subcommand else None)
 
     @override
     def before_instantiate_classes(self) -> None:
@@ -124,6 +133,29 @@ def check_model(model: Any) -> None:
                 raise ConfigError(f"model.init_args.config: {err}") from None
 
 
+LIGHTNING_CKPT_NAMES = ("last", "best", "hpc", "registry")
+"""``ckpt_path`` values that Lightning resolves itself (checked when it loads them)."""
+
+
+def check_ckpt_path(ckpt_path: Any) -> None:
+    """Refuse a ``--ckpt_path`` that is missing, unreadable, truncated or corrupt, before any class is built.
+
+    The file is memory-mapped and every tensor checked against its checksum (about a second per few GB),
+    so a damaged checkpoint stops the run before the warm start, and before anything is written.
+
+    Raises:
+        ConfigError: one line naming the file and, for a checksum mismatch, the first bad tensor.
+    """
+    if ckpt_path is None or (isinstance(ckpt_path, str) and ckpt_path.split(":")[0] in LIGHTNING_CKPT_NAMES):
+        return
+    try:
+        load_checkpoint(os.fspath(ckpt_path))
+    except FileNotFoundError:
+        raise ConfigError(f"ckpt_path: no checkpoint at {os.fspath(ckpt_path)!r}") from None
+    except CheckpointCorruptError as err:
+        raise ConfigError(f"ckpt_path: {err}") from None
+
+
 def run(argv: list[str]) -> int:
     """``lightning-tlt fit|validate ...``: run LightningCLI on ``argv`` (subcommand first)."""
     try:
@@ -139,4 +171,6 @@ def run(argv: list[str]) -> int:
     except ConfigError as err:
         print(f"lightning-tlt {argv[0]}: error: {err}", file=sys.stderr)
         return 2
+    except SIGTERMException:  # Lightning's own stop on SIGTERM (InterruptCheckpoint exits 143 itself)
+        return exit_code(signal.SIGTERM)
     return 0

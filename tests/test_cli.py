@@ -168,3 +168,75 @@ def test_bad_names_and_sizes_are_refused_before_the_warm_start(
     path.write_text(yaml.safe_dump(config))
     assert main(["fit", "--config", str(path), *override]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"lightning-tlt fit: error: {message}"
+
+
+def test_a_damaged_or_missing_ckpt_path_is_one_line_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = yaml.safe_load(tiny_config(tmp_path).read_text())
+    config["trainer"].update(enable_checkpointing=True, max_steps=1)
+    path = tmp_path / "ckpt.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert main(["fit", "--config", str(path)]) == 0
+    (ckpt,) = tmp_path.glob("cli/version_0/checkpoints/*.ckpt")
+    saved = torch.load(ckpt, weights_only=False)
+    assert len(saved["lightning_tlt_checksums"]["tensors"]) > 20  # policy, AdamW moments, loops, callbacks
+    name = "policy.model.embed_tokens.weight"
+    data = bytearray(ckpt.read_bytes())
+    start = bytes(data).index(saved["state_dict"][name].numpy().tobytes())
+    data[start + 1000 : start + 1003] = bytes(b ^ 0xFF for b in data[start + 1000 : start + 1003])
+    corrupt = tmp_path / "corrupt.ckpt"
+    corrupt.write_bytes(bytes(data))
+    (tmp_path / "truncated.ckpt").write_bytes(ckpt.read_bytes()[:5000])
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    expected = {
+        corrupt: f"ckpt_path: {corrupt}: checkpoint is corrupt: tensor 'state_dict/{name}' fails its checksum",
+        tmp_path / "truncated.ckpt": f"ckpt_path: {tmp_path / 'truncated.ckpt'}: not a readable checkpoint (",
+        tmp_path / "missing.ckpt": f"ckpt_path: no checkpoint at '{tmp_path / 'missing.ckpt'}'",
+    }
+    for bad, said in expected.items():
+        assert main(["fit", "--config", str(path), "--ckpt_path", str(bad)]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"lightning-tlt fit: error: {said}"), line
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written, no run started
+
+
+def test_trainer_fit_refuses_a_corrupt_checkpoint_before_loading_a_weight(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+
+    from lightning_tlt.core.checksums import CheckpointCorruptError
+    from lightning_tlt.data.datamodule import RolloutDataModule
+    from lightning_tlt.models.zoo import build_model
+    from lightning_tlt.rl.grpo import GRPOModule
+
+    def build() -> tuple[GRPOModule, RolloutDataModule, pl.Trainer]:
+        module = GRPOModule(build_model("qwen2", "tiny", seed=0), {"num_generations": 2, "max_completion_length": 4})
+        data = RolloutDataModule("arithmetic", prompts_per_step=2, task_size=8, eval_size=2)
+        trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, default_root_dir=tmp_path)
+        return module, data, trainer
+
+    module, data, trainer = build()
+    trainer.fit(module, data)
+    ckpt = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=False)
+    raw = bytearray(ckpt.read_bytes())
+    weight = saved["state_dict"]["policy.lm_head.weight"]
+    start = bytes(raw).index(weight.numpy().tobytes())
+    raw[start + 40] ^= 0x40
+    ckpt.write_bytes(bytes(raw))
+    module, data, trainer = build()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(CheckpointCorruptError, match=rf"^{ckpt}: checkpoint is corrupt: tensor "
+                                                     r"'state_dict/policy.lm_head.weight' fails its checksum"):
+        trainer.fit(module, data, ckpt_path=ckpt)
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())  # not one weight loaded
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
+def test_every_shipped_config_keeps_last_ckpt_and_checkpoints_on_interrupt(config: Path) -> None:
+    callbacks = {c["class_path"]: c.get("init_args", {}) for c in yaml.safe_load(config.read_text())["trainer"]["callbacks"]}
+    assert "lightning_tlt.callbacks.interrupt_checkpoint.InterruptCheckpoint" in callbacks
+    cadence = callbacks["lightning.pytorch.callbacks.ModelCheckpoint"]
+    assert cadence["save_last"] is True and 1 <= cadence["every_n_train_steps"] <= 10

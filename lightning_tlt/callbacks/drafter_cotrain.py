@@ -17,7 +17,8 @@ live in `lightning_tlt.drafters`:
    step, under manual optimization too): the main stream waits for the queued drafter steps, which
    read the policy's embedding and LM head, before the policy's update overwrites them.
 4. **Boundary** (`on_train_batch_end`): weights averaged across ranks (DDP); published to the
-   engine every ``publish_every_n_steps`` if they changed (`engine.set_drafter`: finite-checked,
+   engine every ``publish_every_n_steps`` if an update was applied since (a step skipped as non-finite
+   changes nothing, so it publishes no new version) (`engine.set_drafter`: finite-checked,
    in place, versioned); held-out acceptance queued on the side stream every
    ``eval_every_n_steps`` and read one boundary later.
 5. **Warm start** (``warm_start``): train before the EAGLE drafter speculates, from a task's
@@ -53,7 +54,7 @@ from lightning_tlt.drafters.trainer import DrafterTrainConfig, DrafterTrainer
 from lightning_tlt.rl.common import PolicyFeatureSource
 
 WarmStart = Literal["none", "rollouts", "sft"]
-STATE_FORMAT = 2
+STATE_FORMAT = 3
 """The checkpointed state's format (`DrafterCoTrainCallback.state_dict`); another is refused on load."""
 
 
@@ -216,7 +217,7 @@ class DrafterCoTrainCallback(Callback):
         self.publications = 0
         self.rl_steps = 0
         """RL step boundaries seen (rollout batches trained on)."""
-        self._published_steps = -1  # learner.steps_enqueued at the last publication
+        self._published_updates = -1  # learner.applied_updates at the last publication
         self._heldout: tuple[float, float] | None = None  # rank-mean (trained, published) of the last evaluation
         self._eval_ready: tuple[float, float] | None = None  # an evaluation read early (at a checkpoint)
         self._last_eval_step = 0  # the RL step whose weights the last queued evaluation measures
@@ -284,7 +285,7 @@ class DrafterCoTrainCallback(Callback):
             self._publish(engine, drafter)  # version 1: trained
         elif self._warm_started and not self._model_free(engine):
             self.published = publish_drafter(engine, drafter, self.version)  # version 0: cold
-            self._published_steps = self.learner.steps_enqueued if self.learner is not None else 0
+            self._published_updates = self.learner.applied_updates if self.learner is not None else 0
         if self.published is None and self._model_free(engine) and hasattr(engine, "stage_drafter"):
             engine.stage_drafter(drafter)  # its steps compile in the first rollout's warm-up, not at the hand-over
         if self.learner is not None and self.buffer.num_train:  # resumed with data: capture now, not in a stall
@@ -449,7 +450,8 @@ class DrafterCoTrainCallback(Callback):
         self._eval_ready = None
         engine = self.engine(trainer)
         measured = float((getattr(engine, "last_stats", None) or {}).get("spec/acceptance_length", 1.0))
-        changed = self.published is None or learner.steps_enqueued != self._published_steps
+        # the weights changed only through an applied update: skipped (non-finite) steps publish no new version
+        changed = self.published is None or learner.applied_updates != self._published_updates
         measured, heldout, changed = self._agree(trainer, measured if measured == measured else 1.0, evaluated, changed)
         if heldout is not None:
             self._heldout = heldout
@@ -512,7 +514,7 @@ class DrafterCoTrainCallback(Callback):
         self.version += 1
         self.publications += 1
         self.published = publish_drafter(engine, drafter, self.version)
-        self._published_steps = self.learner.steps_enqueued
+        self._published_updates = self.learner.applied_updates
 
     def _log(
         self, pl_module: pl.LightningModule, engine: Any, heldout: tuple[float, float] | None, published: bool,
@@ -586,7 +588,7 @@ class DrafterCoTrainCallback(Callback):
             "version": self.version,
             "publications": self.publications,
             "rl_steps": self.rl_steps,
-            "published_steps": self._published_steps,
+            "published_updates": self._published_updates,
             "heldout": self._heldout,
             "eval_ready": self._eval_ready,
             "last_eval_step": self._last_eval_step,
@@ -618,7 +620,7 @@ class DrafterCoTrainCallback(Callback):
         self.buffer.load_state_dict(state["buffer"])
         self.learner.load_state_dict(state["trainer"])
         self.rl_steps = int(state["rl_steps"])
-        self._published_steps = int(state["published_steps"])
+        self._published_updates = int(state["published_updates"])
         self._heldout = None if state["heldout"] is None else tuple(state["heldout"])  # type: ignore[assignment]
         self._eval_ready = None if state["eval_ready"] is None else tuple(state["eval_ready"])  # type: ignore[assignment]
         self._last_eval_step = int(state["last_eval_step"])

@@ -30,7 +30,13 @@ from lightning_tlt.core.types import (
     StepListener,
     mixed_precision_dtype,
 )
-from lightning_tlt.data.rewards import OnRewardError, RewardFunc, compute_rewards, reward_func_name
+from lightning_tlt.data.rewards import (
+    OnRewardError,
+    RewardFunc,
+    compute_rewards,
+    drop_overflowing_groups,
+    reward_func_name,
+)
 from lightning_tlt.rl.advantages import combine_rewards, group_advantages, nanstd, normalize_scale_rewards
 from lightning_tlt.rl.batch import RolloutBatch, RolloutSettings, RolloutSettingsSource, pad_left, pad_right
 from lightning_tlt.rollout.factory import make_engine
@@ -102,8 +108,10 @@ class RolloutDataModule(pl.LightningDataModule):
         scale_rewards: "group", "batch" or "none"; ``None`` takes the module's.
         on_reward_error: "raise" stops on a reward function error (naming the prompt and completion),
             "skip" leaves the completions it cannot score out (NaN), never scoring them zero. A NaN or
-            infinite reward is such an error (counted in ``rewards/<name>/nonfinite``), and so is a
-            function that returns the wrong number of rewards (for the whole batch).
+            infinite reward (in float32: ``1e39`` overflows) is such an error (counted in
+            ``rewards/<name>/nonfinite``), and so is a function that returns the wrong number of rewards
+            or anything but numbers and ``None`` (for the whole batch); a group whose combined rewards
+            or std overflow is left out (counted in ``rewards/overflow_groups``).
         seed: seeds the prompt order (reshuffled every epoch) and the sampling generator.
         shuffle: shuffle the prompts each epoch.
         task_size, difficulty, conversational, eval_size: how a zoo task's datasets are built.
@@ -445,7 +453,8 @@ class RolloutDataModule(pl.LightningDataModule):
         )
         reward_time = time.perf_counter() - t0
         weights = torch.tensor(self.reward_weights, dtype=torch.float32) if self.reward_weights else None
-        rewards = combine_rewards(per_func, weights)
+        rewards, overflowed = drop_overflowing_groups(combine_rewards(per_func, weights), g, self.scale_rewards,
+                                                      prompts, self.on_reward_error)
         advantages, adv_stats = group_advantages(rewards, g, self.scale_rewards)
         batch = _to_batch(out, self.tokenizer.pad_token_id or 0, rewards, per_func, advantages, g, step)
         batch.prompts, batch.completions = prompts, completions
@@ -454,6 +463,8 @@ class RolloutDataModule(pl.LightningDataModule):
             self._num_tokens += int(batch.prompt_mask.sum() + batch.completion_mask.sum())
             self._rl_step += 1
         batch.metrics = _metrics(batch, out, adv_stats, errors, nonfinite, reward_time, self._num_tokens)
+        if overflowed:
+            batch.metrics["rewards/overflow_groups"] = float(overflowed)
         batch.metrics.update({name: sum(v) / len(v) for name, v in logged.items()})
         batch.extra_columns = extra_columns
         return batch

@@ -4,6 +4,12 @@ A reward function is called as ``f(prompts=..., completions=..., completion_ids=
 and returns one float (or ``None``) per completion; ``columns`` are the dataset's other columns,
 one value per completion. Functions may be ``async``. ``None`` becomes NaN: left out of means
 and baselines, never scored as zero (TRL 1.16's ``_calculate_rewards``).
+
+Rewards are checked as the training sees them, in float32: ``1e39`` is finite in Python but ``inf``
+in float32, so it is a non-finite reward like ``inf`` itself. A function returning a string, bytes, a
+dict or an element that is not a number (``"11111111"`` is not eight rewards of 1) is refused with
+its name. `drop_overflowing_groups` reports the groups whose rewards are finite one by one but whose
+sum over functions or std overflows (``±3e38``), which would otherwise zero their advantages.
 """
 
 from __future__ import annotations
@@ -12,11 +18,14 @@ import asyncio
 import inspect
 import logging
 import math
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
+
+from lightning_tlt.rl.advantages import nanstd
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +43,11 @@ def reward_func_name(func: RewardFunc) -> str:
     return str(name) if name else type(func).__name__
 
 
-def _call(func: RewardFunc, kwargs: dict[str, Any]) -> list[Any]:
+def _call(func: RewardFunc, kwargs: dict[str, Any]) -> Any:
     out = func(**kwargs)
     if inspect.isawaitable(out):  # an async reward function: run it to completion here
         out = asyncio.run(_await(out))
-    return list(out)
+    return out
 
 
 async def _await(awaitable: Any) -> Any:
@@ -63,8 +72,63 @@ def _count_error(name: str, count: int, expected: int) -> str:
     )
 
 
-def _to_values(values: list[Any]) -> list[float | None]:
-    return [None if v is None else float(v) for v in values]
+_NOT_A_LIST = (str, bytes, bytearray, Mapping)
+"""Iterable, but never a list of rewards: a string would be read as one reward per character."""
+
+
+def _is_reward(value: Any) -> bool:
+    """``None``, a real number (bool, int, float, NumPy scalar) or a one-element real tensor or array."""
+    if value is None or (isinstance(value, numbers.Real) and not isinstance(value, _NOT_A_LIST)):
+        return True
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_complex()
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy comes with torch
+        return False
+    return isinstance(value, np.ndarray) and value.size == 1 and np.issubdtype(value.dtype, np.number) and (
+        not np.issubdtype(value.dtype, np.complexfloating))
+
+
+def _as_list(name: str, out: Any, expected: int) -> list[Any]:
+    """A reward function's result as a list of ``expected`` rewards, or a `ValueError` saying what it returned."""
+    if isinstance(out, _NOT_A_LIST):
+        raise ValueError(
+            f"reward function {name!r} returned a {type(out).__name__} ({str(out)[:40]!r}), not a list of rewards; "
+            "it must return one float (or None) per completion"
+        )
+    try:
+        values = list(out)
+    except TypeError:
+        raise ValueError(f"reward function {name!r} returned {type(out).__name__} {out!r}, not a list of rewards; "
+                         "it must return one float (or None) per completion") from None
+    if len(values) != expected:
+        raise ValueError(_count_error(name, len(values), expected))
+    for i, value in enumerate(values):
+        if not _is_reward(value):
+            raise ValueError(
+                f"reward function {name!r} returned {str(value)[:40]!r} ({type(value).__name__}) for completion {i}; "
+                "a reward is a float or None, not a string, bytes or a container"
+            )
+    return values
+
+
+def _to_float(value: Any) -> float:
+    """A checked reward as a Python float (NaN for ``None``; an int too large for a float is infinite)."""
+    if value is None:
+        return math.nan
+    try:
+        return float(value)
+    except OverflowError:  # an int past 1e308
+        return math.inf if value > 0 else -math.inf
+
+
+def _finite_in_python(value: Any) -> bool:
+    """Whether a checked reward is finite before conversion (an int past 1e308 is)."""
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return True
 
 
 def _row_kwargs(kwargs: dict[str, Any], i: int) -> dict[str, Any]:
@@ -78,17 +142,14 @@ def _where(prompts: list[Any], completions: list[Any], i: int) -> str:
 def _score_rows(
     func: RewardFunc, name: str, kwargs: dict[str, Any], prompts: list[Any], completions: list[Any],
     fail: Callable[[str, BaseException | None, str], None],
-) -> tuple[list[float | None], int]:
+) -> tuple[list[Any], int]:
     """Call ``func`` one completion at a time; the rows that raise get ``None`` (after ``fail``). Returns the
     values and the number of rows that raised."""
-    values: list[float | None] = []
+    values: list[Any] = []
     failed = 0
     for i in range(len(completions)):
         try:
-            row = _call(func, _row_kwargs(kwargs, i))
-            if len(row) != 1:
-                raise ValueError(_count_error(name, len(row), 1))
-            values.extend(_to_values(row))
+            values.extend(_as_list(name, _call(func, _row_kwargs(kwargs, i)), 1))
         except Exception as row_error:
             message = (
                 f"reward function {name!r} raised {type(row_error).__name__}: {row_error} "
@@ -117,8 +178,10 @@ def compute_rewards(
         prompts, completions, completion_ids: ``N`` entries each.
         columns: the dataset's other columns, ``N`` values each, passed as keyword arguments.
         on_error: what a broken reward does. A function that raises is re-run one completion at a
-            time to find the culprits; a NaN or infinite reward is an error too; a function that
-            returns the wrong number of rewards is an error of the whole batch. "raise" stops with a
+            time to find the culprits; a reward that is NaN or infinite in float32 (``1e39``
+            overflows) is an error too; a function that returns the wrong number of rewards, or
+            anything but numbers and ``None`` (a string, bytes, a dict, nested lists), is an error of
+            the whole batch. "raise" stops with a
             `RewardFunctionError` naming the function, the prompt and the completion (or the counts);
             "skip" gives those rows NaN for that function (as if it returned None: they leave the
             baseline, and a row no function scored gets advantage 0) and logs one warning per
@@ -154,19 +217,21 @@ def compute_rewards(
     nonfinite: dict[str, int] = {}
     for j, func in enumerate(reward_funcs):
         name = reward_func_name(func)
-        values: list[float | None] | None = None
+        values: list[Any] | None = None
         cause: Exception | None = None
         try:
             raw = _call(func, kwargs)
-            if len(raw) != n:  # a contract error of the whole batch, not of a row
-                fail(_count_error(name, len(raw), n), None, "all its rewards NaN")
-                errors[name] = n
-                continue
-            values = _to_values(raw)
         except RewardFunctionError:
             raise
         except Exception as batch_error:
             cause = batch_error
+        if cause is None:
+            try:
+                values = _as_list(name, raw, n)
+            except ValueError as contract:  # an error of the whole batch, not of a row
+                fail(str(contract), None, "all its rewards NaN")
+                errors[name] = n
+                continue
         if values is None:  # locate the row(s) that broke it, one completion at a time
             assert cause is not None
             values, errors[name] = _score_rows(func, name, kwargs, prompts, completions, fail)
@@ -174,13 +239,59 @@ def compute_rewards(
                 fail(f"reward function {name!r} raised {type(cause).__name__}: {cause} on the batch", cause,
                      "all its rewards NaN")
                 values, errors[name] = [None] * n, n
-        bad = [i for i, v in enumerate(values) if v is not None and not math.isfinite(v)]
+        scores = torch.tensor([_to_float(v) for v in values], dtype=torch.float32)  # the training dtype
+        bad = [i for i, v in enumerate(values) if v is not None and not math.isfinite(scores[i])]
         if bad:
             more = f" (and {len(bad) - 1} more completions)" if len(bad) > 1 else ""
-            fail(f"reward function {name!r} returned {values[bad[0]]!r} {_where(prompts, completions, bad[0])}{more}",
+            value = values[bad[0]]
+            overflow = ", which is inf in float32 (the training dtype)" if _finite_in_python(value) else ""
+            fail(f"reward function {name!r} returned {value!r}{overflow} {_where(prompts, completions, bad[0])}{more}",
                  None, "those rewards NaN, left out of the baseline")
             nonfinite[name] = len(bad)
-            for i in bad:
-                values[i] = None
-        out[:, j] = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)
+            scores[torch.tensor(bad)] = math.nan
+        out[:, j] = scores
     return RewardScores(out, errors, nonfinite)
+
+
+def drop_overflowing_groups(
+    rewards: Tensor, num_generations: int, scale_rewards: str, prompts: list[Any], on_error: OnRewardError = "raise"
+) -> tuple[Tensor, int]:
+    """Find the groups whose combined rewards or std are infinite in float32, though each reward is finite.
+
+    Rewards of ``±3e38`` are finite, but their std (or their sum over functions) is ``inf``, and
+    dividing by it would zero the group's advantages without a word. Such a group is an error
+    ("raise": `RewardFunctionError` naming the prompt and the rewards) or is left out ("skip": its
+    rewards NaN, so its advantages are 0 and it stays out of the logged means, with a warning).
+
+    Args:
+        rewards: ``(N,)`` combined rewards, groups of ``num_generations`` contiguous rows; NaN = missing.
+        num_generations: group size G.
+        scale_rewards: "group", "batch" or "none" (a batch std that overflows fails every group).
+        prompts: ``N`` prompts (one per row), to name the group.
+        on_error: "raise" or "skip".
+
+    Returns:
+        The rewards (the dropped groups NaN) and how many groups were dropped.
+    """
+    grouped = rewards.float().view(-1, num_generations)  # (P, G)
+    bad = torch.isinf(grouped).any(dim=1)
+    if num_generations > 1:
+        bad |= torch.isinf(nanstd(grouped, dim=1))
+    if scale_rewards == "batch" and rewards.numel() > 1:  # a batch std that overflows zeroes every group
+        kept = grouped.masked_fill(bad.unsqueeze(1), math.nan)
+        if torch.isinf(nanstd(kept.view(-1))):
+            bad |= ~torch.isnan(grouped).all(dim=1)
+    if not bad.any():
+        return rewards, 0
+    first = int(bad.nonzero()[0])
+    values = ", ".join(f"{v:.4g}" for v in grouped[first].tolist())
+    count = int(bad.sum())
+    message = (
+        f"the rewards of prompt {prompts[first * num_generations]!r} ([{values}]) overflow float32 when combined or "
+        f"scaled (sum or std inf){f' (and {count - 1} more groups)' if count > 1 else ''}; keep rewards well "
+        "below 1e38"
+    )
+    if on_error == "raise":
+        raise RewardFunctionError(message)
+    log.warning("%s; skipped (those groups' rewards NaN, advantages 0)", message)
+    return rewards.masked_fill(bad.repeat_interleave(num_generations), math.nan), count

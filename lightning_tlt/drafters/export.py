@@ -8,13 +8,21 @@ the drafter's config and weights in the callback's state; this writes vLLM's EAG
         --out_dir drafter/ [--which published|trained] [--overwrite] [--allow_nonfinite]
 
 Load the result with ``vllm.LLM(target, speculative_config={"method": "eagle", "model": out_dir, ...})``
-or ``EagleDrafter.from_pretrained(out_dir, policy)``. A non-empty ``out_dir`` is replaced only with
-``overwrite``, and weights holding NaN or inf (a diverged drafter) are refused unless ``allow_nonfinite``.
+or ``EagleDrafter.from_pretrained(out_dir, policy)``. Weights holding NaN or inf (a diverged drafter) are
+refused unless ``allow_nonfinite``.
+
+Nothing but a previous export is ever replaced: the files are written into a fresh staging folder beside
+``out_dir`` and swapped in by renames, with a marker file (`MARKER_NAME`: what was exported, from which
+checkpoint, and each file's SHA-256). A non-empty ``out_dir`` is replaced only with ``overwrite``, and only
+when it holds a previous export and nothing else; the filesystem root, the home folder, the current folder
+and its parents are refused whatever ``overwrite`` says.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import shutil
 import sys
@@ -25,12 +33,19 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_tlt.core.checksums import load_checkpoint
 from lightning_tlt.drafters.eagle import write_eagle_dir
 
 Which = Literal["published", "trained"]
 
 DRAFTER_CONFIGS = ("configs/demo_cpu_eagle.yaml", "configs/grpo_gpu_100m.yaml", "configs/grpo_gpu_400m.yaml")
 """The shipped configs whose runs co-train a drafter (they hold `DrafterCoTrainCallback`)."""
+
+MARKER_NAME = "lightning_tlt_export.json"
+"""The marker file an export writes beside its weights; only a folder holding one is ever replaced."""
+MARKER_FORMAT = "lightning_tlt.drafter_export"
+"""The marker's ``format`` field (a JSON file of this name written by another tool is not a marker)."""
+MARKER_VERSION = 1
 
 
 def find_drafter_state(checkpoint: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -89,8 +104,8 @@ def export_drafter(
         out_dir: the directory to write (``config.json`` and ``model.safetensors``).
         which: "published" (the version the engine last drafted with) or "trained" (the latest
             weights of the training copy).
-        overwrite: replace ``out_dir`` if it exists and is not empty (its old files are removed, so
-            none is left beside the new ones); without it such a directory is refused.
+        overwrite: replace ``out_dir`` if it holds a previous export (its marker file) and nothing else;
+            without it a non-empty directory is refused. Never the root, home or current folder.
         allow_nonfinite: export weights holding NaN or inf (a diverged drafter) instead of refusing.
 
     Returns:
@@ -98,23 +113,16 @@ def export_drafter(
 
     Raises:
         FileNotFoundError: no checkpoint at ``checkpoint_path``.
-        ValueError: the checkpoint holds no drafter, ``out_dir`` is not empty (without ``overwrite``)
-            or the weights are not finite (without ``allow_nonfinite``).
+        ValueError: the checkpoint is damaged (`lightning_tlt.core.checksums.CheckpointCorruptError`) or holds no drafter, ``out_dir`` may not be written (`check_out_dir`) or
+            the weights are not finite (without ``allow_nonfinite``).
     """
     if which not in ("published", "trained"):
         raise ValueError(f"which must be 'published' or 'trained', got {which!r}")
     checkpoint_path, out = Path(checkpoint_path), Path(out_dir)
     if not checkpoint_path.is_file():
         raise FileNotFoundError(f"no checkpoint at {str(checkpoint_path)!r}")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"out_dir {str(out)!r} is a file, not a directory")
-    existing = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    if existing and not overwrite:
-        raise ValueError(
-            f"out_dir {str(out)!r} is not empty ({', '.join(existing[:5])}{', ...' if len(existing) > 5 else ''}); "
-            "pass overwrite=True (--overwrite) to replace it"
-        )
-    checkpoint = torch.load(str(checkpoint_path), map_location="cpu", weights_only=False)
+    check_out_dir(out, overwrite)
+    checkpoint = load_checkpoint(checkpoint_path)  # a damaged file, or a tensor failing its checksum: one line
     try:
         _, state = find_drafter_state(checkpoint)
     except ValueError as err:
@@ -128,23 +136,127 @@ def export_drafter(
             f"values (in {', '.join(sorted(bad))}): the drafter diverged; export the other copy "
             f"(which='{'trained' if use_published else 'published'}') or pass allow_nonfinite=True (--allow_nonfinite)"
         )
-    # write next to out_dir, then put it in place: a failed export leaves the old directory as it was
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    # written beside out_dir, then swapped in: a failed export leaves the old directory as it was
+    target = out.resolve()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".staging", dir=target.parent))
     try:
         write_eagle_dir(staging, state["drafter_config"], weights, state.get("feature_layers"))
+        _write_marker(staging, checkpoint_path, "published" if use_published else "trained")
         # ordinary permissions, as open() and mkdir() give (0644 and 0755 under umask 022): safetensors writes
         # 0600 and mkdtemp 0700, and an exported model is meant to be read by others (a vLLM server's user)
         umask = _umask()
         for path in staging.iterdir():
             path.chmod(0o666 & ~umask)
         staging.chmod(0o777 & ~umask)
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
+        _swap_in(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+def _protected(target: Path) -> str | None:
+    """Why ``target`` (resolved) may never be replaced, or ``None``."""
+    if target == target.parent:
+        return "the filesystem root"
+    if target == Path.home().resolve():
+        return "the home folder"
+    cwd = Path.cwd().resolve()
+    if target == cwd:
+        return "the current folder"
+    if target in cwd.parents:
+        return "a parent of the current folder"
+    return None
+
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """Refuse an ``out_dir`` that an export may not write: one that is protected (`_protected`), a file, or a
+    non-empty folder unless ``overwrite`` and it holds a previous export (its marker and the files the marker
+    lists) and nothing else.
+
+    Raises:
+        ValueError: one line naming the folder and why.
+    """
+    target = out.resolve()
+    why = _protected(target)
+    if why is not None:
+        raise ValueError(f"out_dir {str(out)!r} is {why} ({target}); export into a folder of its own, "
+                         "e.g. --out_dir drafter/")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir {str(out)!r} is a file, not a directory")
+    existing = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if not existing:
+        return
+    shown = f"{', '.join(existing[:5])}{', ...' if len(existing) > 5 else ''}"
+    if not overwrite:
+        raise ValueError(f"out_dir {str(out)!r} is not empty ({shown}); pass overwrite=True (--overwrite) to "
+                         "replace a previous export")
+    listed = _marker_files(out)
+    if listed is None:
+        raise ValueError(f"out_dir {str(out)!r} holds files ({shown}) but no {MARKER_NAME} of a previous export; "
+                         "--overwrite replaces only a previous export: choose an empty or new folder")
+    others = sorted(set(existing) - set(listed) - {MARKER_NAME})
+    if others:
+        raise ValueError(f"out_dir {str(out)!r} holds a previous export and other files "
+                         f"({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}); --overwrite replaces only "
+                         "a folder holding nothing but an export: move those files first")
+
+
+def _marker_files(folder: Path) -> list[str] | None:
+    """The files the export marker in ``folder`` lists, or ``None`` when there is no (readable) marker."""
+    try:
+        marker = json.loads((folder / MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict) or marker.get("format") != MARKER_FORMAT or not isinstance(marker.get("files"), dict):
+        return None
+    return [str(name) for name in marker["files"]]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_marker(folder: Path, checkpoint_path: Path, which: str) -> None:
+    """Write `MARKER_NAME` into ``folder``: what this is, its source, and each file's SHA-256."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        tlt_version = version("lightning_tlt")
+    except PackageNotFoundError:
+        tlt_version = "unknown"
+    marker = {
+        "format": MARKER_FORMAT,
+        "format_version": MARKER_VERSION,
+        "what": "EAGLE drafter co-trained by DrafterCoTrainCallback",
+        "lightning_tlt_version": tlt_version,
+        "checkpoint": str(checkpoint_path.resolve()),
+        "which": which,
+        "files": {p.name: {"sha256": _sha256(p)} for p in sorted(folder.iterdir()) if p.name != MARKER_NAME},
+    }
+    (folder / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _swap_in(staging: Path, target: Path) -> None:
+    """Put ``staging`` at ``target`` by renames; a previous export there is moved aside first and removed last,
+    and put back if the swap fails."""
+    old: Path | None = None
+    if target.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
+        old.rmdir()  # a free name beside target, for the rename
+        target.rename(old)
+    try:
+        staging.rename(target)
+    except OSError:
+        if old is not None:
+            old.rename(target)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -159,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out_dir", "--out-dir", required=True, help="directory to write the EAGLE draft to")
     parser.add_argument("--which", choices=["published", "trained"], default="published",
                         help="the copy the engine last drafted with (published) or the training copy (trained)")
-    parser.add_argument("--overwrite", action="store_true", help="replace out_dir if it is not empty")
+    parser.add_argument("--overwrite", action="store_true", help="replace out_dir if it holds a previous export (and nothing else)")
     parser.add_argument("--allow_nonfinite", "--allow-nonfinite", action="store_true",
                         help="export weights that hold NaN or inf (a diverged drafter)")
     args = parser.parse_args(argv)

@@ -513,6 +513,15 @@ class DrafterTrainer:
         self.wait()
         return int(self._skipped.item())
 
+    @property
+    def applied_updates(self) -> int:
+        """Drafter updates that changed the weights: live steps less the non-finite ones skipped (host read).
+
+        Unlike `steps_enqueued`, it does not move on a step that was skipped (non-finite) or held, so
+        whether the drafter changed since a publication is read from it."""
+        self.wait()
+        return int((self._attempted - self._skipped).item())
+
     def _schedule(self, attempted: float) -> float:
         """Linear warmup: the learning rate of the step after ``attempted`` steps."""
         warmup = self.config.warmup_steps

@@ -22,6 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_tlt.core.checksums import add_checksums, verify_checksums
 from lightning_tlt.core.types import DTYPES
 from lightning_tlt.rl.attention import training_attention
 from lightning_tlt.rl.batch import RolloutBatch
@@ -430,9 +431,14 @@ class RLModule(pl.LightningModule):
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["nonfinite_grad_steps"] = [self._nonfinite_steps, self._nonfinite_in_a_row]
+        # last: the callbacks' and the datamodule's states are in already (a subclass adds its own before calling this)
+        add_checksums(checkpoint)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # before any weight is loaded: a corrupt checkpoint is one error naming the file and the tensor
+        trainer = self._trainer
+        verify_checksums(checkpoint, getattr(trainer, "ckpt_path", None) or "the checkpoint")
         self._nonfinite_steps, self._nonfinite_in_a_row = checkpoint.get("nonfinite_grad_steps", [0, 0])
 
     def _step_metrics(self) -> dict[str, float]:

@@ -205,8 +205,8 @@ class PPOModule(RLModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_save_checkpoint(checkpoint)
         checkpoint["ppo_shuffle_generator"] = self._shuffle.get_state()
+        super().on_save_checkpoint(checkpoint)  # last: it checksums every tensor, this generator's state too
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

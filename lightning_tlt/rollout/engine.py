@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from lightning_tlt.core.attention import default_backend
 from lightning_tlt.core.compile_cache import CompileCache, device_key, resolve_cache_dir
 from lightning_tlt.core.kv_cache import KVCache, kv_bytes_per_slot
-from lightning_tlt.core.prompts import validate_prompts
+from lightning_tlt.core.prompts import check_stop_ids, policy_positions, validate_prompts
 from lightning_tlt.core.runner import ModelRunner, eos_token_ids, is_supported, unwrap_model
 from lightning_tlt.core.sampling import exponential_noise
 from lightning_tlt.core.types import (
@@ -486,8 +486,9 @@ class RolloutEngine:
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples!r}")
         ids = validate_prompts(prompts, self.vocab_size, max_new_tokens=sampling.max_new_tokens,
-                               max_seq_len=self.max_seq_len)
+                               max_seq_len=self.max_seq_len, positions=policy_positions(self._hf))
         stop_ids = eos_token_ids(self._model) if sampling.stop_token_ids is None else list(sampling.stop_token_ids)
+        check_stop_ids(sampling.stop_token_ids or [], self.vocab_size)  # the caller's; the model's are its own
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids are supported, got {stop_ids!r}")
         gen = self._generator(generator)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from lightning_tlt.core.prompts import validate_prompts
+from lightning_tlt.core.prompts import check_stop_ids, policy_positions, validate_prompts
 from lightning_tlt.core.types import (
     FinishReason,
     RolloutOutput,
@@ -378,6 +378,7 @@ class VLLMRolloutEngine:
             gen_config = None
         self._eos_ids = _model_eos_ids(config, gen_config)
         self.vocab_size = int(config.vocab_size)
+        self._positions = policy_positions(config)
         self.model_path = str(path)
         from vllm.platforms import current_platform
 
@@ -488,8 +489,10 @@ class VLLMRolloutEngine:
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples!r}")
         ids = validate_prompts(
-            prompts, self.vocab_size, max_new_tokens=sampling.max_new_tokens, max_seq_len=self.max_seq_len
+            prompts, self.vocab_size, max_new_tokens=sampling.max_new_tokens, max_seq_len=self.max_seq_len,
+            positions=self._positions,
         )
+        check_stop_ids(sampling.stop_token_ids or [], self.vocab_size)  # the caller's; the model's are its own
         return [list(p) for p in ids]
 
     def sampling_params(self, sampling: SamplingConfig, num_samples: int, seed: int) -> SamplingParams:

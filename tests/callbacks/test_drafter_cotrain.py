@@ -330,6 +330,28 @@ def test_trainer_harvests_trains_in_stalls_publishes_and_logs(tmp_path: Path) ->
     assert [e[0] for e in cb.evaluations] == [1, 2, 3]  # the last one read at the end of fit
 
 
+def test_a_drafter_whose_every_update_was_skipped_publishes_no_new_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dataclasses
+
+    module, data = make()
+    take = module.take_policy_features
+
+    def poisoned() -> object:  # NaN features: every drafter update is non-finite and skipped
+        features = take()
+        return None if features is None else dataclasses.replace(
+            features, hidden_states=torch.full_like(features.hidden_states, float("nan")))
+
+    monkeypatch.setattr(module, "take_policy_features", poisoned)
+    cb = callback()
+    trainer(tmp_path, 3, [cb], enable_checkpointing=False, logger=False).fit(module, datamodule=data)
+    assert cb.learner is not None and cb.learner.steps_enqueued > 0
+    assert cb.learner.skipped_nonfinite == cb.learner.steps_enqueued and cb.learner.applied_updates == 0
+    assert cb.version == 0 and data.engine.drafter_version == 0  # the cold drafter, never republished
+    assert cb.publications == 0
+
+
 def test_drafter_learns_over_20_rl_steps_from_cold(tmp_path: Path) -> None:
     module, data = make(sharpen=True)
     cb = callback(max_steps_per_event=2, learning_rate=3e-3, warmup_steps=0, eval_every_n_steps=19)
@@ -607,15 +629,16 @@ def test_eagle3_drafters_are_refused_for_cotraining() -> None:
 
 
 def test_a_checkpoint_of_another_format_is_refused_before_any_state_is_touched() -> None:
-    """The first callback's format (no ``format`` key) is no longer read: a clear error, the callback untouched."""
+    """A state of another format (the first callback wrote none; format 2 had no published_updates) is
+    refused with a clear error, the callback untouched."""
     policy = build_model("qwen2", "tiny", seed=0)
     old = EagleDrafter.from_target(policy, generator=torch.Generator().manual_seed(3))
     state = {"drafter": old.state_dict(), "version": 3, "publications": 3, "total_steps": 12}
     cb = callback()
-    with pytest.raises(ValueError, match=r"format None, this version reads format 2 only"):
+    with pytest.raises(ValueError, match=r"format None, this version reads format 3 only"):
         cb.load_state_dict(state)
-    with pytest.raises(ValueError, match=r"format 1, this version reads format 2"):
-        cb.load_state_dict({**state, "format": 1})
+    with pytest.raises(ValueError, match=r"format 2, this version reads format 3"):
+        cb.load_state_dict({**state, "format": 2})
     assert cb._pending_state is None and cb.version == 0
     buffer = cb.buffer
     with pytest.raises(ValueError, match=r"FeatureReplayBuffer: a state of format None"):

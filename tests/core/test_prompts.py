@@ -51,3 +51,50 @@ def test_the_engine_refuses_float_ids_before_generating(tiny_qwen2: PreTrainedMo
     engine = RolloutEngine(tiny_qwen2, max_seq_len=32, max_batch_size=2)
     with pytest.raises(TypeError, match=r"prompt 0 has 3\.7 \(float\) at position 2"):
         engine.generate([[1, 2, 3.7]], SamplingConfig(max_new_tokens=4))  # type: ignore[list-item]
+
+
+def test_prompts_past_the_policys_positions_are_refused_or_warned_about() -> None:
+    from lightning_tlt.core.prompts import PositionLimit
+
+    plain, scaled = PositionLimit(16, None), PositionLimit(16, "yarn")
+    assert validate_prompts([[1] * 12], 8, max_new_tokens=4, max_seq_len=64, positions=plain) == [(1,) * 12]
+    with pytest.raises(ValueError, match=r"^prompt 1 has 13 tokens; with max_new_tokens=4 that is 17 > the policy's "
+                                         r"max_position_embeddings=16: positions past it were never trained"):
+        validate_prompts([[1] * 3, [1] * 13], 8, max_new_tokens=4, max_seq_len=64, positions=plain)
+    with pytest.warns(UserWarning, match=r"17 > the policy's max_position_embeddings=16; its RoPE scaling \('yarn'\)"):
+        validate_prompts([[1] * 13], 8, max_new_tokens=4, max_seq_len=64, positions=scaled)
+
+
+def test_policy_positions_reads_the_config_and_its_rope_scaling(tiny_qwen2: PreTrainedModel) -> None:
+    from transformers import Qwen2Config
+
+    from lightning_tlt.core.prompts import PositionLimit, policy_positions
+
+    assert policy_positions(tiny_qwen2) == PositionLimit(tiny_qwen2.config.max_position_embeddings, None)
+    yarn = Qwen2Config(max_position_embeddings=4096,
+                       rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096})
+    assert policy_positions(yarn) == PositionLimit(4096, "yarn")
+    assert policy_positions(object()) is None
+
+
+def test_the_engine_refuses_long_prompts_oov_stop_ids_and_infinite_temperature() -> None:
+    from lightning_tlt.models.zoo import build_model
+
+    policy = build_model("qwen2", "tiny", seed=0)
+    policy.config.max_position_embeddings = 24  # a short-context policy in an engine whose cache holds more
+    engine = RolloutEngine(policy, max_seq_len=64, max_batch_size=2)
+    with pytest.raises(ValueError, match=r"prompt 0 has 30 tokens; with max_new_tokens=4 that is 34 > the policy's "
+                                         r"max_position_embeddings=24"):
+        engine.generate([[1] * 30], SamplingConfig(max_new_tokens=4))
+    vocab = engine.vocab_size
+    with pytest.raises(ValueError, match=rf"stop token id {vocab} is outside the vocabulary \[0, {vocab}\): it could "
+                                         r"never end a completion"):
+        engine.generate([[1, 2]], SamplingConfig(max_new_tokens=4, stop_token_ids=[3, vocab]))
+    out = engine.generate([[1, 2]], SamplingConfig(max_new_tokens=4, stop_token_ids=[vocab - 1]))
+    assert len(out.completion_ids) == 1
+
+
+@pytest.mark.parametrize("temperature", [float("inf"), float("nan"), -0.5])
+def test_temperature_must_be_finite_and_non_negative(temperature: float) -> None:
+    with pytest.raises(ValueError, match=r"temperature must be finite and >= 0 \(0 means greedy\), got"):
+        SamplingConfig(temperature=temperature)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -134,6 +135,75 @@ def test_nonfinite_rewards_follow_the_error_policy(policy: torch.nn.Module, bad:
     assert batch.metrics["rewards/shaky/nonfinite"] == 3.0 and "rewards/shaky/errors" not in batch.metrics
     assert math.isfinite(batch.metrics["reward"]) and torch.isfinite(batch.advantages).all()
     torch.testing.assert_close(batch.rewards[3:], batch.rewards_per_func[3:, 1])
+
+
+@pytest.mark.parametrize("big", [1e39, -1e39, 10**400])
+def test_a_reward_that_overflows_float32_is_nonfinite(policy: torch.nn.Module, big: float) -> None:
+    def huge(prompts, completions, **kw):  # noqa: ANN001, ANN003
+        return [big if p.startswith("Q1") else 1.0 for p in prompts]
+
+    with pytest.raises(RewardFunctionError, match=rf"^reward function 'huge' returned {re.escape(repr(big))}, which is inf in "
+                                                  r"float32 \(the training dtype\) on prompt 'Q1: 1\+1=\\n'"):
+        make(policy, [huge], shuffle=False).rollout([0, 1])
+    batch = make(policy, [huge, length_reward], shuffle=False, on_reward_error="skip").rollout([0, 1])
+    assert batch.metrics["rewards/huge/nonfinite"] == 3.0 and torch.isnan(batch.rewards_per_func[3:, 0]).all()
+    assert math.isfinite(batch.metrics["reward"]) and math.isfinite(batch.metrics["reward_std"])
+    assert batch.advantages[3:].abs().sum() > 0  # the group is scored by length_reward, not zeroed
+
+
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_a_group_whose_std_overflows_is_reported_not_zeroed(
+    policy: torch.nn.Module, scale: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    def extreme(prompts, completions, **kw):  # noqa: ANN001, ANN003
+        return [(3e38 if i % 3 == 0 else -3e38) if p.startswith("Q1") else float(i) for i, p in enumerate(prompts)]
+
+    with pytest.raises(RewardFunctionError, match=r"^the rewards of prompt 'Q1: 1\+1=\\n' \(\[3e\+38, -3e\+38, "
+                                                  r"-3e\+38\]\) overflow float32 when combined or scaled"):
+        make(policy, [extreme], shuffle=False, scale_rewards=scale).rollout([0, 1])
+    with caplog.at_level(logging.WARNING, logger="lightning_tlt.data.rewards"):
+        batch = make(policy, [extreme], shuffle=False, scale_rewards=scale, on_reward_error="skip").rollout([0, 1])
+    assert batch.metrics["rewards/overflow_groups"] == 1.0
+    assert "skipped (those groups' rewards NaN, advantages 0)" in caplog.text
+    assert torch.isnan(batch.rewards[3:]).all() and math.isfinite(batch.metrics["reward"])
+    torch.testing.assert_close(batch.advantages[:3], torch.tensor([-1.0, 0.0, 1.0]), atol=1e-3, rtol=0)
+    # two rewards that are each finite but sum to inf over functions: the same report
+    with pytest.raises(RewardFunctionError, match="overflow float32 when combined or scaled"):
+        make(policy, [lambda completions, **kw: [2e38] * len(completions)] * 2).rollout([0, 1])
+
+
+@pytest.mark.parametrize(("returned", "said"), [
+    ("11111111", "returned a str ('11111111'), not a list of rewards"),
+    (b"\x01" * 6, "returned a bytes"),
+    ({"a": 1.0}, "returned a dict"),
+    (1.0, "returned float 1.0, not a list of rewards"),
+    (["1.0"] * 6, "returned '1.0' (str) for completion 0; a reward is a float or None, not a string, bytes or a"),
+    ([[1.0, 2.0]] * 6, "returned '[1.0, 2.0]' (list) for completion 0"),
+])
+def test_strings_bytes_and_containers_are_refused_with_the_functions_name(
+    policy: torch.nn.Module, returned: object, said: str
+) -> None:
+    def sloppy(completions, **kw):  # noqa: ANN001, ANN003
+        return returned
+
+    with pytest.raises(RewardFunctionError) as err:
+        make(policy, [sloppy]).rollout([0, 1])
+    assert str(err.value).startswith(f"reward function 'sloppy' {said}"), str(err.value)
+    batch = make(policy, [sloppy, length_reward], on_reward_error="skip").rollout([0, 1])
+    assert torch.isnan(batch.rewards_per_func[:, 0]).all() and batch.metrics["rewards/sloppy/errors"] == 6.0
+
+
+def test_numpy_and_tensor_rewards_are_numbers(policy: torch.nn.Module) -> None:
+    import numpy as np
+
+    def arrays(completions, **kw):  # noqa: ANN001, ANN003
+        return np.arange(len(completions), dtype=np.float32)
+
+    def tensors(completions, **kw):  # noqa: ANN001, ANN003
+        return torch.arange(len(completions), dtype=torch.float64) * 2
+
+    batch = make(policy, [arrays, tensors], shuffle=False).rollout([0, 1])
+    torch.testing.assert_close(batch.rewards, torch.arange(6, dtype=torch.float32) * 3)
 
 
 def test_bad_configuration_errors(policy: torch.nn.Module) -> None:

@@ -237,6 +237,21 @@ def test_make_engine_rejects_unknown_kinds() -> None:
     assert out.completion_ids == hf_greedy(model, [[1, 40]], 4)
 
 
+def test_the_vllm_backend_checks_positions_and_stop_ids_as_the_native_engine_does() -> None:
+    from lightning_tlt.core.prompts import PositionLimit
+    from lightning_tlt.rollout.vllm_engine import VLLMRolloutEngine
+
+    engine = object.__new__(VLLMRolloutEngine)  # its input checks only: no vllm.LLM behind it
+    engine.vocab_size, engine.max_seq_len, engine._eos_ids = 128, 64, [2]
+    engine._positions = PositionLimit(24, None)
+    assert engine._validate([[1, 2]], SamplingConfig(max_new_tokens=4), 2) == [[1, 2]]
+    with pytest.raises(ValueError, match=r"prompt 0 has 30 tokens; with max_new_tokens=4 that is 34 > the policy's "
+                                         r"max_position_embeddings=24"):
+        engine._validate([[1] * 30], SamplingConfig(max_new_tokens=4), 1)
+    with pytest.raises(ValueError, match=r"stop token id 128 is outside the vocabulary \[0, 128\)"):
+        engine._validate([[1, 2]], SamplingConfig(max_new_tokens=4, stop_token_ids=[128]), 1)
+
+
 def test_missing_vllm_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
     with pytest.raises(ImportError, match=r"pip install lightning-tlt\[vllm\]"):

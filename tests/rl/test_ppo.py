@@ -102,6 +102,8 @@ def test_checkpoint_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
     t = trainer(tmp_path / "b", 8)
     t.fit(module, datamodule=data)
     t.save_checkpoint(tmp_path / "c.ckpt")
+    checksums = torch.load(tmp_path / "c.ckpt", weights_only=False)["lightning_tlt_checksums"]["tensors"]
+    assert "ppo_shuffle_generator" in checksums and "state_dict/value_head.weight" in checksums
     resumed = Record()
     module, data = make(seed=2)
     trainer(tmp_path / "c", 12, [resumed]).fit(module, datamodule=data, ckpt_path=tmp_path / "c.ckpt")

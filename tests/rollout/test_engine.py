@@ -223,7 +223,7 @@ def test_bad_input_raises(tiny_qwen2: PreTrainedModel, prompts, kwargs, match: s
 
 
 def test_bad_sampling_and_engine_args_raise(tiny_qwen2: PreTrainedModel) -> None:
-    with pytest.raises(ValueError, match=r"temperature must be >= 0.*-0.5"):
+    with pytest.raises(ValueError, match=r"temperature must be finite and >= 0.*-0.5"):
         SamplingConfig(temperature=-0.5)
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
         SamplingConfig(top_p=1.5)
