@@ -959,6 +959,8 @@ class RolloutEngine:
         """Read finished rows' completions, free their slots and repack the active rows."""
         st, cache, sched = self._state, self._cache, self._scheduler
         assert st is not None and cache is not None
+        # slot order: rows read below and requests released are matched index by index
+        done_slots = sorted(done_slots)
         idx = torch.tensor(done_slots, device=st.tokens.device)
         counts = st.num_generated[idx].cpu().tolist()
         longest = max(counts)
