@@ -44,7 +44,7 @@ from lightning_tlt.core.compile_cache import CompileCache, device_key, resolve_c
 from lightning_tlt.core.kv_cache import KVCache, kv_bytes_per_slot
 from lightning_tlt.core.prompts import validate_prompts
 from lightning_tlt.core.runner import ModelRunner, eos_token_ids, is_supported, unwrap_model
-from lightning_tlt.core.sampling import exponential_noise
+from lightning_tlt.core.sampling import row_keys
 from lightning_tlt.core.types import (
     FinishReason,
     RolloutOutput,
@@ -495,8 +495,13 @@ class RolloutEngine:
         stop_ids = eos_token_ids(self._model) if sampling.stop_token_ids is None else list(sampling.stop_token_ids)
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids are supported, got {stop_ids!r}")
-        gen = self._generator(generator)
-        requests = [Request(p * num_samples + g, p, ids[p]) for p in range(len(ids)) for g in range(num_samples)]
+        seed = self._seed(generator)
+        gen = self._generator(seed)
+        keys = row_keys(seed, ids, num_samples)
+        requests = [
+            Request(p * num_samples + g, p, ids[p], keys[p * num_samples + g])
+            for p in range(len(ids)) for g in range(num_samples)
+        ]  # fmt: skip
         if self._copy is not None:
             self._copy.sync()  # the policy trained since the last call
         was_training = self._hf.training
@@ -520,13 +525,18 @@ class RolloutEngine:
                 run.bar.close()
         return self._output(requests, run, stop_ids, time.perf_counter() - start)
 
-    def _generator(self, generator: torch.Generator | None) -> torch.Generator:
-        """The engine's device generator, seeded from ``generator`` (advancing it) or at random."""
+    @staticmethod
+    def _seed(generator: torch.Generator | None) -> int:
+        """The call's seed: one draw from ``generator`` (advancing it), or from torch's default one."""
+        source = "cpu" if generator is None else generator.device
+        return int(torch.randint(0, 2**62, (1,), generator=generator, device=source).item())
+
+    def _generator(self, seed: int) -> torch.Generator:
+        """The engine's device generator, seeded with ``seed``: what host drafters' ``draft`` draws from
+        (the engine's own sampling uses keyed noise, `lightning_tlt.core.sampling.row_keys`)."""
         device = self.device
         if self._gen is None or self._gen.device != device:
             self._gen = torch.Generator(device)
-        source = "cpu" if generator is None else generator.device
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=source).item())
         self._gen.manual_seed(seed)
         return self._gen
 
@@ -560,7 +570,7 @@ class RolloutEngine:
             warnings.warn("use_cuda_graphs=True without CUDA: running eagerly", stacklevel=3)
             use_graphs = False
         self._gen = self._gen if self._gen is not None and self._gen.device == device else torch.Generator(device)
-        backend = CUDAGraphBackend(device, generators=[self._gen]) if use_graphs else None
+        backend = CUDAGraphBackend(device) if use_graphs else None  # keyed noise: no generator in a graph
         use_compile = on_cuda if self._compile is None else self._compile
         # compiled, a lone row is padded to two: Dynamo specialises size 1 even under dynamic=True, so a
         # batch-1 step would compile every step function again when the tail first runs down to one row
@@ -580,7 +590,8 @@ class RolloutEngine:
             self._forward = torch.compile(self._model_step, fullgraph=True)
             self._decode_update = torch.compile(decode_update, fullgraph=True, dynamic=True)
         if self._spec_on:
-            self._spec_step = SpeculativeStep(self.max_draft_tokens, self._vocab, compile=use_compile)
+            self._spec_step = SpeculativeStep(self.max_draft_tokens, self._vocab, compile=use_compile,
+                                              coupled=self.speculative.verification == "coupled")
             rows = min(slots, self._graphs.bucket(min(self.speculative.threshold, slots)))
             assert self._gate is not None  # kept (with what it learned), capped to the rows the buffers serve
             self._gate.threshold = min(self.speculative.threshold, rows)
@@ -648,8 +659,7 @@ class RolloutEngine:
         capture = self._capture_layers()
         logits, hidden = self._call_forward(st.tokens[:batch, None], st.positions[:batch, None], cache.k, cache.v,
                                             capture, kv_len)
-        noise = None if sampling.greedy else exponential_noise((batch, logits.shape[-1]), self._gen, logits.device)
-        self._decode_update(st, batch, logits, hidden, noise, sampling)
+        self._decode_update(st, batch, logits, hidden, sampling)
 
     def _run_plain(self, batch: int, sampling: SamplingKey, kv_len: int | None) -> None:
         """The plain decode step over ``batch`` slots, from its profile's graph."""
@@ -658,15 +668,9 @@ class RolloutEngine:
 
     def _run_step(self, profile: GraphProfile, fn: Callable[[], None]) -> None:
         graphs = self._graphs
-        assert graphs is not None and self._state is not None and self._gen is not None
+        assert graphs is not None and self._state is not None
         if graphs.enabled and profile not in graphs:
-            restore = self._state.snapshot()
-            gen_state = self._gen.get_state()
-
-            def reset() -> None:  # every warm-up run and the capture see the live step's state
-                restore()
-                self._gen.set_state(gen_state)  # type: ignore[union-attr]
-
+            reset = self._state.snapshot()  # every warm-up run and the capture see the live step's state
             self._tracker.before_capture(graphs.stats, f"{profile.phase} step over {profile.batch} rows")
             with self._compiling():
                 graphs.capture([profile], lambda _: fn, reset)
@@ -791,6 +795,7 @@ class RolloutEngine:
             lengths - 1,
             torch.stack([features.get(s, zero) for s in slots]),
             prefix_end,
+            torch.tensor([r.key for _, r in admitted], device=device),
         )
 
     # ------------------------------------------------------------------ the loop

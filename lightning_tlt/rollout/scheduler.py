@@ -24,6 +24,8 @@ class Request:
     """Which prompt it continues."""
     prompt: tuple[int, ...]
     """The prompt's token ids."""
+    key: int = 0
+    """Its sampling noise key (`lightning_tlt.core.sampling.row_keys`): what it draws depends on nothing else."""
 
 
 class SlotScheduler:
