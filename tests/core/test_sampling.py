@@ -76,3 +76,19 @@ def test_sample_keyed_draws_from_probs() -> None:
     expected = probs.double() * len(keys)
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 20.5, (chi2, counts)  # 5 degrees of freedom, p = 0.001
+
+
+def test_compiled_keyed_noise_is_the_eager_noise() -> None:
+    """Inductor's code (what the engine's compiled steps run) computes the same bits and the same winners."""
+
+    def race(keys: torch.Tensor, positions: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        columns = torch.arange(probs.shape[-1], device=probs.device)
+        bits = keyed_bits(keys, positions, NOISE_SAMPLE, columns)
+        return bits, (probs / keyed_exponential(keys, positions, NOISE_SAMPLE, columns)).argmax(-1)
+
+    keys = torch.tensor(row_keys(0, [[i] for i in range(7)]))
+    positions = torch.arange(7) * 13
+    probs = torch.rand(7, 1000, generator=torch.Generator().manual_seed(0)).softmax(-1)
+    compiled = torch.compile(race, fullgraph=True, dynamic=True)
+    for eager, fused in zip(race(keys, positions, probs), compiled(keys, positions, probs)):
+        assert torch.equal(eager, fused)

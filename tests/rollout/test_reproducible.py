@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
 
-from lightning_tlt.core.types import RolloutOutput, SamplingConfig
+from lightning_tlt.core.types import RolloutOutput, SamplingConfig, SpeculativeConfig
+from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.models.zoo import build_model
 from lightning_tlt.rollout.engine import RolloutEngine
 
@@ -74,3 +75,40 @@ def test_fallback_path_draws_the_same_numbers_in_any_wave() -> None:
     ]
     assert not outs[0].stats.get("graphs_captures")
     assert outs[0].completion_ids == outs[1].completion_ids == outs[2].completion_ids
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize(("method", "k"), [("suffix", 2), ("suffix", 5), ("eagle", 3), ("eagle", None)])
+def test_coupled_speculation_gives_plain_decodings_tokens(
+    warm_arithmetic_policy: tuple[PreTrainedModel, object], method: str, k: int | None, temperature: float
+) -> None:
+    """Float32 on the CPU, the same seed: speculation on (coupled) and off give the same rollouts, token
+    for token, for the suffix and the EAGLE drafter, a fixed k or the tuner's, greedy and T = 1."""
+    policy, tokenizer = warm_arithmetic_policy
+    prompts = [tokenizer.encode(q) for q in ("12+7=", "3*4=", "100-37=", "8+8=")]
+    cfg = SamplingConfig(temperature=temperature, max_new_tokens=20, stop_token_ids=[])
+    plain = RolloutEngine(policy, max_seq_len=64, max_batch_size=5).generate(
+        prompts, cfg, num_samples=3, generator=torch.Generator().manual_seed(9)
+    )
+    spec = SpeculativeConfig(method=method, num_draft_tokens=k, threshold=8, hysteresis_steps=1,  # type: ignore[arg-type]
+                             verification="coupled", draft_vocab_size=None)
+    engine = RolloutEngine(policy, max_seq_len=64, max_batch_size=5, speculative=spec)
+    if engine.tuner is not None:
+        engine.tuner.cost_model = lambda arm, rows: 1e-3 * (1 + 0.1 * arm)
+    if method == "eagle":  # an untrained drafter: what it proposes must change nothing
+        engine.drafter = EagleDrafter.from_target(policy, generator=torch.Generator().manual_seed(0)).inference_copy()
+    out = engine.generate(prompts, cfg, num_samples=3, generator=torch.Generator().manual_seed(9))
+    assert engine.last_stats["spec/steps"] > 0
+    if method == "suffix":  # sibling rollouts: drafts that were accepted, so accepted paths were compared too
+        assert engine.last_stats["spec/acceptance_length"] > 1.0
+    assert out.completion_ids == plain.completion_ids
+    for a, b in zip(out.logprobs, plain.logprobs):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+
+
+def test_rejection_verification_stays_the_default() -> None:
+    """Rejection sampling draws other numbers than plain decoding (its own acceptance uniforms), so only
+    coupled verification promises plain decoding's tokens; both are lossless (tests/rollout/test_verify.py)."""
+    assert SpeculativeConfig(method="suffix").verification == "rejection"
+    with pytest.raises(ValueError, match="verification"):
+        SpeculativeConfig(method="suffix", verification="maximal")  # type: ignore[arg-type]
