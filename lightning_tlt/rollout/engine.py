@@ -240,6 +240,7 @@ class RolloutEngine:
             self._tuner = DraftLengthTuner(
                 arms, epsilon=spec.tuner_epsilon, min_samples=spec.tuner_min_samples,
                 prune_margin=spec.tuner_prune_margin,
+                cost_model=draft_cost_model(spec.tuner_draft_cost) if spec.deterministic else None,
             )
         self._vocab = DraftVocabulary(spec.draft_vocab_size, self.vocab_size)
         self._spec_step: SpeculativeStep | None = None
@@ -995,7 +996,12 @@ class RolloutEngine:
                 self.metrics.speculative_share.update(phase == "speculative", run.timers.steps[phase])
             self.metrics.tokens_per_second.update(phase, run.timers.tokens.get(phase, 0), seconds)
         if self._tuner is not None:
-            self._tuner.poll()
+            # deterministic: every count read by the end of the call (what the next call starts from never
+            # depends on how far the device had got); else whatever has completed
+            if self.speculative.deterministic:
+                self._tuner.flush()
+            else:
+                self._tuner.poll()
         if not self._vocab.full:
             self._vocab.observe([c for c, _ in run.results.values()])
         self._emit(StepEvent(run.steps, "done", 0, 0, sched.num_slots, 0.0))
@@ -1041,6 +1047,15 @@ class RolloutEngine:
         from tqdm.auto import tqdm
 
         return tqdm(total=total, unit="tok", desc="rollout", leave=False)
+
+
+def draft_cost_model(draft_cost: float) -> Callable[[int, int], float]:
+    """The deterministic tuner's cost of a step drafting ``k`` tokens a row: ``1 + draft_cost * k`` plain steps."""
+    return functools.partial(_draft_cost, draft_cost)
+
+
+def _draft_cost(draft_cost: float, k: int, rows: int) -> float:
+    return 1.0 + draft_cost * k
 
 
 def default_drafter(config: SpeculativeConfig, model: nn.Module) -> Any:
