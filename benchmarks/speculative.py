@@ -153,7 +153,8 @@ def tail_rate(binner_rates: dict[str, dict[str, float]], bins: tuple[str, ...] =
 
 
 def step_cost(policy: Any, drafter: Any, prompt: list[int], longest: int, batches: tuple[int, ...], k: int,
-              into: dict[str, Any] | None = None, on_batch: Any = None) -> dict[str, Any]:
+              into: dict[str, Any] | None = None, on_batch: Any = None,
+              verification: str = "rejection") -> dict[str, Any]:
     """Replay times of one plain decode step, one EAGLE step of k drafts and one k + 1-token verify
     (the policy's forward alone, a suffix engine's), on the same rows: ``batch`` samples of ``prompt``.
     Each batch's figures go into ``into`` (returned) as they land, then ``on_batch()`` runs."""
@@ -161,10 +162,12 @@ def step_cost(policy: Any, drafter: Any, prompt: list[int], longest: int, batche
     most = max(batches)
     plain = RolloutEngine(policy, max_batch_size=most, max_seq_len=longest)
     fixed = RolloutEngine(policy, max_batch_size=most, max_seq_len=longest, speculative=SpeculativeConfig(
-        method="eagle", num_draft_tokens=k, threshold=most, hysteresis_steps=1))
+        method="eagle", num_draft_tokens=k, threshold=most, hysteresis_steps=1,
+        verification=verification))  # type: ignore[arg-type]
     fixed.drafter = drafter
     suffix = RolloutEngine(policy, max_batch_size=most, max_seq_len=longest, speculative=SpeculativeConfig(
-        method="suffix", num_draft_tokens=k, threshold=most, hysteresis_steps=1))
+        method="suffix", num_draft_tokens=k, threshold=most, hysteresis_steps=1,
+        verification=verification))  # type: ignore[arg-type]
     out: dict[str, Any] = {} if into is None else into
     for batch in batches:
         for engine in (plain, fixed, suffix):
@@ -181,7 +184,8 @@ def step_cost(policy: Any, drafter: Any, prompt: list[int], longest: int, batche
     return out
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's flags (defaults: the e2e's workload)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     e2e = E2EOptions()  # the e2e's workload and warm start: a warm machine's cached policy is reused
     p.add_argument("--task", default=e2e.task)
@@ -203,10 +207,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="engine slots: the bulk phase runs at this batch (the e2e's: every row at once)")
     p.add_argument("--max-new", type=int, default=e2e.max_new)
     p.add_argument("--threshold", type=int, default=e2e.threshold)
+    p.add_argument("--verification", choices=("rejection", "coupled"), default=e2e.verification,
+                   help="how drafts are verified (SpeculativeConfig.verification): both lossless; coupled emits "
+                        "the tokens of speculation off for the same seed")
+    p.add_argument("--deterministic", action="store_true",
+                   help="the tuner scores draft lengths on a fixed cost model, not measured time "
+                        "(SpeculativeConfig.deterministic)")
     p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "lightning_tlt"))
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parser().parse_args(argv)
     if args.smoke:
         args.size, args.sft_steps, args.sft_batch, args.train_prompts, args.drafter_steps = "tiny", 30, 16, 4, 20
         args.prompts, args.samples, args.slots, args.max_new, args.difficulty = 4, 2, 4, 48, 1
@@ -271,7 +285,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dump()
 
     # --- speculation on: the trained drafter, then an untrained one (the tuner picks k, 0 included)
-    spec = SpeculativeConfig(method="eagle", threshold=args.threshold, hysteresis_steps=1)
+    spec = SpeculativeConfig(method="eagle", threshold=args.threshold, hysteresis_steps=1,
+                             verification=args.verification, deterministic=args.deterministic)
     for name, d in (("eagle", trained), ("cold", cold)):
         on = RolloutEngine(policy, max_batch_size=args.slots, max_seq_len=longest, speculative=spec)
         on.drafter = d
@@ -327,7 +342,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # --- the speculative step's cost, graph replays of the same rows, each batch kept as it lands
     try:
-        step_cost(policy, trained, test_ids[0], longest, (1, 8), 4, into=costs, on_batch=summarize)
+        step_cost(policy, trained, test_ids[0], longest, (1, 8), 4, into=costs, on_batch=summarize,
+                  verification=args.verification)
     except Exception as err:  # report, keep the rest
         costs["error"] = repr(err)
     summarize()
