@@ -126,6 +126,16 @@ def residual_probs(p: Tensor, q: Tensor) -> Tensor:
     return torch.where(mass > 0, diff / mass.clamp_min(torch.finfo(diff.dtype).tiny), p)
 
 
+def _chain_shape(draft_tokens: Tensor, target_probs: Tensor) -> tuple[int, int]:
+    """``(B, k)`` of the drafts, checked against the target's ``(B, k + 1, V)``."""
+    bsz, k = draft_tokens.shape
+    if target_probs.dim() != 3 or target_probs.shape[:2] != (bsz, k + 1):
+        raise ValueError(
+            f"target_probs must have shape (B, k + 1, V) = ({bsz}, {k + 1}, V), got {tuple(target_probs.shape)}"
+        )
+    return bsz, k
+
+
 def verify_chain(
     draft_tokens: Tensor,
     draft_probs: Tensor | None,
@@ -178,11 +188,7 @@ def verify_chain(
     Returns:
         A `VerifyResult`.
     """
-    bsz, k = draft_tokens.shape
-    if target_probs.dim() != 3 or target_probs.shape[:2] != (bsz, k + 1):
-        raise ValueError(
-            f"target_probs must have shape (B, k + 1, V) = ({bsz}, {k + 1}, V), got {tuple(target_probs.shape)}"
-        )
+    bsz, k = _chain_shape(draft_tokens, target_probs)
     vocab = target_probs.shape[-1]
     width = vocab if draft_vocab is None else draft_vocab.shape[0]
     if draft_probs is not None and draft_probs.shape != (bsz, k, width):
@@ -284,11 +290,7 @@ def verify_coupled(
     Returns:
         A `VerifyResult`.
     """
-    bsz, k = draft_tokens.shape
-    if target_probs.dim() != 3 or target_probs.shape[:2] != (bsz, k + 1):
-        raise ValueError(
-            f"target_probs must have shape (B, k + 1, V) = ({bsz}, {k + 1}, V), got {tuple(target_probs.shape)}"
-        )
+    bsz, k = _chain_shape(draft_tokens, target_probs)
     device = target_probs.device
     positions = torch.arange(k + 1, device=device)  # (k+1,)
     if noise is None:
