@@ -105,3 +105,29 @@ def test_sampled_completions_stay_with_their_requests(slots: int, seed: int) -> 
         assert completion[-1] in lane_stops(chain[0]) and not set(completion[:-1]) & set(STOPS)
         lengths.add(len(completion))
     assert len(lengths) > 5  # the rows really had very different lengths
+
+
+@pytest.mark.parametrize("method", ["suffix", "eagle"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_speculative_steps_keep_completions_with_their_requests(method: str, temperature: float) -> None:
+    """The same with speculation: rows advance by 1 to k + 1 tokens a step, so they finish in more orders."""
+    from lightning_tlt.core.types import SpeculativeConfig
+    from lightning_tlt.drafters.eagle import EagleDrafter
+
+    model = counting_policy((1,) if temperature == 0.0 else (1, 2))
+    lasts = [97, 70, 94, 47, 88, 91, 44, 76, 82, 41, 85, 79, 35, 38]
+    prompts = [[5, last] for last in lasts]
+    spec = SpeculativeConfig(method=method, num_draft_tokens=3, threshold=4, hysteresis_steps=1,  # type: ignore[arg-type]
+                             draft_vocab_size=None)
+    engine = RolloutEngine(model, max_seq_len=48, max_batch_size=4, speculative=spec)
+    if method == "eagle":
+        engine.drafter = EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(0)).inference_copy()
+    out = engine.generate(prompts, SamplingConfig(temperature=temperature, max_new_tokens=40, stop_token_ids=STOPS),
+                          num_samples=3, generator=torch.Generator().manual_seed(1))
+    assert engine.last_stats["spec/steps"] > 0
+    for i, completion in enumerate(out.completion_ids):
+        chain = [lasts[i // 3], *completion]
+        if temperature == 0.0:
+            assert completion == list(range(chain[0] + 1, lane_stops(chain[0])[0] + 1)), (i, chain)
+        assert all(b - a in (1, 2) for a, b in zip(chain, chain[1:])), (i, chain)
+        assert completion[-1] in lane_stops(chain[0]) and not set(completion[:-1]) & set(STOPS)
