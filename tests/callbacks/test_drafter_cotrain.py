@@ -708,3 +708,28 @@ def test_deterministic_pacing_counts_stall_events_never_the_clock() -> None:
                            speculative=SpeculativeConfig(method="suffix", deterministic=True, tuner_draft_cost=0.2))
     assert engine.tuner is not None and engine.tuner.cost_model is not None
     assert engine.tuner.cost_model(0, 3) == 1.0 and engine.tuner.cost_model(4, 3) == pytest.approx(1.8)
+
+
+def test_deterministic_kill_and_resume_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+    """Deterministic mode with the tuner and the pacing on: a run killed after step 2 and resumed ends with the
+    uninterrupted run's policy and drafter, bit for bit (the pacer's credit and the tuner's counts resume)."""
+    spec = SpeculativeConfig(method="suffix", threshold=8, hysteresis_steps=1, num_draft_tokens=None,
+                             draft_candidates=(2, 4), deterministic=True)
+
+    def run(max_steps: int, ckpt_dir: Path, ckpt_path: Path | None = None) -> tuple[GRPOModule, DrafterCoTrainCallback]:
+        module, data = make(speculative=spec)
+        cb = callback(max_decode_slowdown=0.05, drafter_step_cost=0.15, max_steps_per_event=2, deterministic=True)
+        ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=1, save_top_k=-1)
+        trainer(tmp_path, max_steps, [cb, ckpt], logger=False).fit(module, datamodule=data, ckpt_path=ckpt_path)
+        return module, cb
+
+    full_module, full_cb = run(4, tmp_path / "full")
+    run(2, tmp_path / "killed")
+    resumed_module, resumed_cb = run(4, tmp_path / "resumed", ckpt_path=tmp_path / "killed" / "last.ckpt")
+    assert resumed_cb.learner is not None and full_cb.learner is not None
+    assert resumed_cb.learner.steps_enqueued == full_cb.learner.steps_enqueued > 0
+    assert resumed_cb.pacer.state_dict() == full_cb.pacer.state_dict()
+    for name, value in _weights_of(full_module.policy).items():
+        assert torch.equal(resumed_module.policy.state_dict()[name], value), name
+    for name, value in _weights_of(full_cb.drafter).items():
+        assert torch.equal(resumed_cb.drafter.state_dict()[name], value), name
