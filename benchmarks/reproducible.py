@@ -29,21 +29,18 @@ import math
 import platform
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-from _common import write_results
+from _common import add_workload_flags, smoke_workload, workload_policy, write_results
 from e2e.options import E2EOptions
 
 from lightning_tlt.core.sampling import NOISE_SAMPLE, keyed_exponential, row_keys
 from lightning_tlt.core.types import RolloutOutput, SamplingConfig, SpeculativeConfig
 from lightning_tlt.models.tokenizer import encode_prompt
-from lightning_tlt.rl.warmstart import warm_start
 from lightning_tlt.rollout.engine import RolloutEngine
 from lightning_tlt.tasks import get_task
 
-ROOT = Path(__file__).resolve().parent.parent
 ARMS: dict[str, dict[str, Any] | None] = {
     "off": None,
     "coupled": {"verification": "coupled"},
@@ -108,23 +105,13 @@ def timed(engine: RolloutEngine, prompts: list[list[int]], sampling: SamplingCon
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     e2e = E2EOptions()  # the e2e's workload and warm start: a warm machine's cached policy is reused
-    p.add_argument("--task", default=e2e.task)
-    p.add_argument("--difficulty", type=int, default=e2e.difficulty)
-    p.add_argument("--arch", default=e2e.arch)
-    p.add_argument("--size", default=e2e.size)
-    p.add_argument("--sft-steps", type=int, default=e2e.sft_steps)
-    p.add_argument("--sft-batch", type=int, default=e2e.sft_batch)
-    p.add_argument("--sft-lr", type=float, default=e2e.sft_lr)
-    p.add_argument("--sft-batch-tokens", type=int, default=e2e.sft_batch_tokens)
-    p.add_argument("--sft-max-length", type=int, default=e2e.sft_max_length)
-    p.add_argument("--sft-max-time-s", type=float, default=e2e.sft_max_time_s)
+    add_workload_flags(p)
     p.add_argument("--prompts", type=int, default=e2e.prompts)
     p.add_argument("--samples", type=int, default=e2e.generations)
     p.add_argument("--max-new", type=int, default=e2e.max_new)
     p.add_argument("--threshold", type=int, default=e2e.threshold)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
-    p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "lightning_tlt"))
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true")
     return p
@@ -136,9 +123,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "off" not in arms or set(arms) - set(ARMS):
         raise SystemExit(f"--arms takes 'off' and any of {', '.join(ARMS)}, got {args.arms!r}")
     if args.smoke:
-        args.size, args.sft_steps, args.sft_batch, args.difficulty = "tiny", 30, 16, 1
+        smoke_workload(args)
         args.prompts, args.samples, args.max_new, args.threshold = 4, 2, 48, 4
-        args.sft_batch_tokens, args.sft_max_length, args.sft_max_time_s = None, None, 60.0
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -146,12 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                                "card": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
                                "dtype": str(dtype), "versions": {"torch": torch.__version__}}
-    policy, tokenizer = warm_start(args.task, args.arch, args.size, difficulty=args.difficulty, seed=0,
-                                   steps=args.sft_steps, batch_size=args.sft_batch, lr=args.sft_lr,
-                                   max_length=args.sft_max_length, batch_tokens=args.sft_batch_tokens,
-                                   max_time_s=args.sft_max_time_s, cache_dir=args.cache_dir, device=device,
-                                   progress=False)
-    policy = policy.to(device=device, dtype=dtype).eval()
+    policy, tokenizer = workload_policy(args, device, dtype)
     test = get_task(args.task).make_dataset(args.prompts, difficulty=args.difficulty, seed=2, split="test")
     prompts = [encode_prompt(tokenizer, x) for x in test["prompt"]]
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
+from collections.abc import Callable
+from types import ModuleType
 
 import pytest
 import torch
@@ -13,25 +13,14 @@ from lightning_tlt.core.sampling import NOISE_SAMPLE, keyed_exponential, row_key
 from lightning_tlt.core.types import RolloutOutput
 from lightning_tlt.rollout.engine import RolloutEngine
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _bench():  # noqa: ANN202
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import reproducible
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return reproducible
-
 
 def _out(completions: list[list[int]], logprobs: list[list[float]]) -> RolloutOutput:
     return RolloutOutput(prompt_ids=[[1]] * len(completions), completion_ids=completions, logprobs=logprobs,
                          finish_reasons=["length"] * len(completions), stats={})
 
 
-def test_divergence_by_hand() -> None:
-    bench = _bench()
+def test_divergence_by_hand(benchmark_script: Callable[[str], ModuleType]) -> None:
+    bench = benchmark_script("reproducible")
     keys = row_keys(3, [[1], [2], [3]])
     ref = _out([[5, 6, 7], [8, 9], [4, 4, 4]], [[-1.0, -2.0, -0.5], [-0.1, -0.2], [-1.0] * 3])
     out = _out([[5, 6, 7], [8, 2, 3], [4, 4]], [[-1.0, -2.0, -0.5], [-0.1, -0.7, -0.3], [-1.0] * 2])
@@ -45,8 +34,8 @@ def test_divergence_by_hand() -> None:
     assert d["race_margin_abs_median"] == pytest.approx(abs(margin))
 
 
-def test_call_keys_are_the_engines() -> None:
-    bench = _bench()
+def test_call_keys_are_the_engines(benchmark_script: Callable[[str], ModuleType]) -> None:
+    bench = benchmark_script("reproducible")
     prompts = [[4, 5], [6]]
     seed = RolloutEngine._seed(torch.Generator().manual_seed(7))
     assert bench.call_keys(7, prompts, 2) == row_keys(seed, prompts, 2)

@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from collections.abc import Callable
+from types import ModuleType
 
 import pytest
 
 from lightning_tlt.core.types import StepEvent
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def _speculative():  # noqa: ANN202
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import speculative
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return speculative
-
-
-def test_capture_steps_are_binned_apart_and_the_tail_rate_counts_them_on_request() -> None:
-    speculative = _speculative()
+def test_capture_steps_are_binned_apart_and_the_tail_rate_counts_them_on_request(
+    benchmark_script: Callable[[str], ModuleType],
+) -> None:
+    speculative = benchmark_script("speculative")
     binner = speculative.RowBinner()
 
     def step(rows_after: int, tokens: int, seconds: float, captured: bool = False) -> None:
@@ -42,10 +33,11 @@ def test_capture_steps_are_binned_apart_and_the_tail_rate_counts_them_on_request
     assert speculative.tail_rate(rates, captures=True) == pytest.approx(22 / 0.54)  # every step
 
 
-def test_verification_and_deterministic_flags() -> None:
-    args = _speculative().parser().parse_args([])
+def test_verification_and_deterministic_flags(benchmark_script: Callable[[str], ModuleType]) -> None:
+    parser = benchmark_script("speculative").parser
+    args = parser().parse_args([])
     assert (args.verification, args.deterministic) == ("rejection", False)
-    args = _speculative().parser().parse_args(["--verification", "coupled", "--deterministic"])
+    args = parser().parse_args(["--verification", "coupled", "--deterministic"])
     assert (args.verification, args.deterministic) == ("coupled", True)
     with pytest.raises(SystemExit):  # argparse: not one of the choices
-        _speculative().parser().parse_args(["--verification", "maximal"])
+        parser().parse_args(["--verification", "maximal"])
