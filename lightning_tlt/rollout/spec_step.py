@@ -2,8 +2,8 @@
 
 TLT's adaptive speculative decoding (arXiv 2511.16665, §4) as one component with an explicit
 interface: the engine hands it a `StepContext` (the slot state, the KV cache, the compiled policy
-forward, the graph cache, a generator for host drafters) and the drafter; it launches the step's device work and
-never reaches into the engine. The engine loop stays the one orchestrator (admission, the gate and
+forward, the graph cache, a generator for host drafters) and the drafter; it launches the step's
+device work and never reaches into the engine. The engine loop stays the one orchestrator (admission, the gate and
 the tuner's choice of ``k``, harvesting finished rows).
 
 1. **Draft.**
@@ -30,8 +30,8 @@ the tuner's choice of ``k``, harvesting finished rows).
    `lightning_tlt.rollout.verify.verify_coupled` by coupling with the plain sampler
    (``SpeculativeConfig.verification``): every emitted token is distributed exactly as plain
    sampling from the policy (coupled: it *is* plain sampling's token for the row's keyed noise),
-   greedy stays greedy, and a non-finite draft is a rejection. Rows advance by the tokens they accepted plus one (clipped at a stop token or
-   ``max_new_tokens``); the KV written for rejected drafts lies past the row's new length and is
+   greedy stays greedy, and a non-finite draft is a rejection. Rows advance by the tokens they
+   accepted plus one (clipped at a stop token or ``max_new_tokens``); the KV written for rejected drafts lies past the row's new length and is
    overwritten before it is ever read.
 
 The EAGLE path needs no host read at all (the engine reads finish flags and emitted counts one
