@@ -31,8 +31,8 @@ the tuner's choice of ``k``, harvesting finished rows).
    (``SpeculativeConfig.verification``): every emitted token is distributed exactly as plain
    sampling from the policy (coupled: it *is* plain sampling's token for the row's keyed noise),
    greedy stays greedy, and a non-finite draft is a rejection. Rows advance by the tokens they
-   accepted plus one (clipped at a stop token or ``max_new_tokens``); the KV written for rejected drafts lies past the row's new length and is
-   overwritten before it is ever read.
+   accepted plus one (clipped at a stop token or ``max_new_tokens``); the KV written for rejected
+   drafts lies past the row's new length and is overwritten before it is ever read.
 
 The EAGLE path needs no host read at all (the engine reads finish flags and emitted counts one
 step late, as for plain decoding); a host drafter needs the new tokens before it can draft again,
