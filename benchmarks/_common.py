@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -54,3 +55,40 @@ def graph_replay_ms(
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / replays
+
+
+def add_workload_flags(p: argparse.ArgumentParser) -> None:
+    """The e2e's workload and warm start as flags (task, size, SFT settings): a machine that ran the e2e
+    (or another script with these defaults) loads its cached policy instead of training it again."""
+    from e2e.options import E2EOptions
+
+    e2e = E2EOptions()
+    p.add_argument("--task", default=e2e.task)
+    p.add_argument("--difficulty", type=int, default=e2e.difficulty)
+    p.add_argument("--arch", default=e2e.arch)
+    p.add_argument("--size", default=e2e.size, help="zoo size (0.5b: Qwen2.5-0.5B's shapes and vocabulary)")
+    p.add_argument("--sft-steps", type=int, default=e2e.sft_steps)
+    p.add_argument("--sft-batch", type=int, default=e2e.sft_batch)
+    p.add_argument("--sft-lr", type=float, default=e2e.sft_lr)
+    p.add_argument("--sft-batch-tokens", type=int, default=e2e.sft_batch_tokens)
+    p.add_argument("--sft-max-length", type=int, default=e2e.sft_max_length)
+    p.add_argument("--sft-max-time-s", type=float, default=e2e.sft_max_time_s)
+    p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "lightning_tlt"))
+
+
+def smoke_workload(args: argparse.Namespace) -> None:
+    """``--smoke``: the workload flags at tiny sizes (a 30-step SFT of the tiny model, difficulty 1)."""
+    args.size, args.sft_steps, args.sft_batch, args.difficulty = "tiny", 30, 16, 1
+    args.sft_batch_tokens, args.sft_max_length, args.sft_max_time_s = None, None, 60.0
+
+
+def workload_policy(args: argparse.Namespace, device: str, dtype: torch.dtype) -> tuple[Any, Any]:
+    """The warm-started policy of the workload flags (cached), on ``device`` in ``dtype``, and its tokenizer."""
+    from lightning_tlt.rl.warmstart import warm_start
+
+    policy, tokenizer = warm_start(args.task, args.arch, args.size, difficulty=args.difficulty, seed=0,
+                                   steps=args.sft_steps, batch_size=args.sft_batch, lr=args.sft_lr,
+                                   max_length=args.sft_max_length, batch_tokens=args.sft_batch_tokens,
+                                   max_time_s=args.sft_max_time_s, cache_dir=args.cache_dir, device=device,
+                                   progress=False)
+    return policy.to(device=device, dtype=dtype).eval(), tokenizer

@@ -40,14 +40,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import graph_replay_ms
+from _common import add_workload_flags, graph_replay_ms, smoke_workload, workload_policy
 from e2e.options import E2EOptions
 
 from lightning_tlt.callbacks.drafter_cotrain import DrafterCoTrainCallback, DrafterCoTrainConfig
 from lightning_tlt.core.types import RolloutOutput, SamplingConfig, SpeculativeConfig, StepEvent
 from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.models.tokenizer import encode_prompt
-from lightning_tlt.rl.warmstart import warm_start
 from lightning_tlt.rollout.engine import RolloutEngine
 from lightning_tlt.tasks import get_task
 
@@ -153,7 +152,8 @@ def tail_rate(binner_rates: dict[str, dict[str, float]], bins: tuple[str, ...] =
 
 
 def step_cost(policy: Any, drafter: Any, prompt: list[int], longest: int, batches: tuple[int, ...], k: int,
-              into: dict[str, Any] | None = None, on_batch: Any = None) -> dict[str, Any]:
+              into: dict[str, Any] | None = None, on_batch: Any = None,
+              verification: str = "rejection") -> dict[str, Any]:
     """Replay times of one plain decode step, one EAGLE step of k drafts and one k + 1-token verify
     (the policy's forward alone, a suffix engine's), on the same rows: ``batch`` samples of ``prompt``.
     Each batch's figures go into ``into`` (returned) as they land, then ``on_batch()`` runs."""
@@ -161,10 +161,12 @@ def step_cost(policy: Any, drafter: Any, prompt: list[int], longest: int, batche
     most = max(batches)
     plain = RolloutEngine(policy, max_batch_size=most, max_seq_len=longest)
     fixed = RolloutEngine(policy, max_batch_size=most, max_seq_len=longest, speculative=SpeculativeConfig(
-        method="eagle", num_draft_tokens=k, threshold=most, hysteresis_steps=1))
+        method="eagle", num_draft_tokens=k, threshold=most, hysteresis_steps=1,
+        verification=verification))  # type: ignore[arg-type]
     fixed.drafter = drafter
     suffix = RolloutEngine(policy, max_batch_size=most, max_seq_len=longest, speculative=SpeculativeConfig(
-        method="suffix", num_draft_tokens=k, threshold=most, hysteresis_steps=1))
+        method="suffix", num_draft_tokens=k, threshold=most, hysteresis_steps=1,
+        verification=verification))  # type: ignore[arg-type]
     out: dict[str, Any] = {} if into is None else into
     for batch in batches:
         for engine in (plain, fixed, suffix):
@@ -181,19 +183,11 @@ def step_cost(policy: Any, drafter: Any, prompt: list[int], longest: int, batche
     return out
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's flags (defaults: the e2e's workload)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     e2e = E2EOptions()  # the e2e's workload and warm start: a warm machine's cached policy is reused
-    p.add_argument("--task", default=e2e.task)
-    p.add_argument("--difficulty", type=int, default=e2e.difficulty)
-    p.add_argument("--arch", default=e2e.arch)
-    p.add_argument("--size", default=e2e.size, help="zoo size (0.5b: Qwen2.5-0.5B's shapes and vocabulary)")
-    p.add_argument("--sft-steps", type=int, default=e2e.sft_steps)
-    p.add_argument("--sft-batch", type=int, default=e2e.sft_batch)
-    p.add_argument("--sft-lr", type=float, default=e2e.sft_lr)
-    p.add_argument("--sft-batch-tokens", type=int, default=e2e.sft_batch_tokens)
-    p.add_argument("--sft-max-length", type=int, default=e2e.sft_max_length)
-    p.add_argument("--sft-max-time-s", type=float, default=e2e.sft_max_time_s)
+    add_workload_flags(p)
     p.add_argument("--train-prompts", type=int, default=32, help="prompts (x4 samples) of drafter training data")
     p.add_argument("--drafter-steps", type=int, default=600)
     p.add_argument("--drafter-lr", type=float, default=1e-3)
@@ -203,14 +197,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="engine slots: the bulk phase runs at this batch (the e2e's: every row at once)")
     p.add_argument("--max-new", type=int, default=e2e.max_new)
     p.add_argument("--threshold", type=int, default=e2e.threshold)
-    p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "lightning_tlt"))
+    p.add_argument("--verification", choices=("rejection", "coupled"), default=e2e.verification,
+                   help="how drafts are verified (SpeculativeConfig.verification): both lossless; coupled emits "
+                        "the tokens of speculation off for the same seed")
+    p.add_argument("--deterministic", action="store_true",
+                   help="the tuner scores draft lengths on a fixed cost model, not measured time "
+                        "(SpeculativeConfig.deterministic)")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parser().parse_args(argv)
     if args.smoke:
-        args.size, args.sft_steps, args.sft_batch, args.train_prompts, args.drafter_steps = "tiny", 30, 16, 4, 20
-        args.prompts, args.samples, args.slots, args.max_new, args.difficulty = 4, 2, 4, 48, 1
-        args.threshold, args.sft_batch_tokens, args.sft_max_length, args.sft_max_time_s = 4, None, None, 60.0
+        smoke_workload(args)
+        args.train_prompts, args.drafter_steps = 4, 20
+        args.prompts, args.samples, args.slots, args.max_new, args.threshold = 4, 2, 4, 48, 4
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -227,12 +230,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         out_path.write_text(json.dumps(results, indent=1, default=float))
 
     t0 = time.perf_counter()
-    policy, tokenizer = warm_start(args.task, args.arch, args.size, difficulty=args.difficulty, seed=0,
-                                   steps=args.sft_steps, batch_size=args.sft_batch, lr=args.sft_lr,
-                                   max_length=args.sft_max_length, batch_tokens=args.sft_batch_tokens,
-                                   max_time_s=args.sft_max_time_s, cache_dir=args.cache_dir, device=device,
-                                   progress=False)
-    policy = policy.to(device=device, dtype=dtype).eval()
+    policy, tokenizer = workload_policy(args, device, dtype)
     results["policy"] = {"params": sum(p.numel() for p in policy.parameters()),
                          "vocab_size": policy.config.vocab_size, "warm_start_s": time.perf_counter() - t0}
     print(f"[speculative] policy {results['policy']}", flush=True)
@@ -271,7 +269,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dump()
 
     # --- speculation on: the trained drafter, then an untrained one (the tuner picks k, 0 included)
-    spec = SpeculativeConfig(method="eagle", threshold=args.threshold, hysteresis_steps=1)
+    spec = SpeculativeConfig(method="eagle", threshold=args.threshold, hysteresis_steps=1,
+                             verification=args.verification, deterministic=args.deterministic)
     for name, d in (("eagle", trained), ("cold", cold)):
         on = RolloutEngine(policy, max_batch_size=args.slots, max_seq_len=longest, speculative=spec)
         on.drafter = d
@@ -327,7 +326,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # --- the speculative step's cost, graph replays of the same rows, each batch kept as it lands
     try:
-        step_cost(policy, trained, test_ids[0], longest, (1, 8), 4, into=costs, on_batch=summarize)
+        step_cost(policy, trained, test_ids[0], longest, (1, 8), 4, into=costs, on_batch=summarize,
+                  verification=args.verification)
     except Exception as err:  # report, keep the rest
         costs["error"] = repr(err)
     summarize()

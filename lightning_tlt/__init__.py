@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "train_drafter": "lightning_tlt.drafters.offline",
     "export_drafter": "lightning_tlt.drafters.export",
     "verify_chain": "lightning_tlt.rollout.verify",
+    "verify_coupled": "lightning_tlt.rollout.verify",
     "AdaptiveGate": "lightning_tlt.rollout.gate",
     "DraftLengthTuner": "lightning_tlt.rollout.tuner",
     "SpeculationMetrics": "lightning_tlt.rollout.spec_metrics",

@@ -67,6 +67,18 @@ def test_every_shipped_config_parses(config: Path, capsys: pytest.CaptureFixture
     assert printed["data"]["dataset"] in ("arithmetic", "countdown", "countdown_search")
 
 
+@pytest.mark.parametrize("config", [c for c in CONFIGS if "cpu" in c.name], ids=lambda c: c.name)
+def test_cpu_configs_are_deterministic(config: Path) -> None:
+    """Every CPU config's speculation and drafter pacing decide from counts, never from the clock (issue 35)."""
+    raw = yaml.safe_load(config.read_text())
+    spec = raw["data"].get("speculative")
+    if spec is not None and spec.get("method", "none") != "none":
+        assert spec.get("deterministic") is True, config.name
+    for cb in raw["trainer"].get("callbacks", []):
+        if cb["class_path"].endswith("DrafterCoTrainCallback"):
+            assert cb["init_args"]["config"].get("deterministic") is True, config.name
+
+
 def test_bad_yaml_configuration_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tiny_config(tmp_path, loss_type="ppo")
     with pytest.raises((SystemExit, ValueError)) as err:

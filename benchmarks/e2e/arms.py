@@ -243,7 +243,8 @@ def run_lightning(
         "micro_batch_size": args.micro_batch}  # how the update is cut into forwards (the same gradient)
     module = GRPOModule(policy, GRPOConfig(**grpo_settings(args), **split))
     # TLT's cold start: the suffix drafter speculates until the EAGLE drafter beats it
-    speculative = SpeculativeConfig(method="suffix", threshold=args.threshold) if name == "tlt" else None
+    speculative = SpeculativeConfig(method="suffix", threshold=args.threshold, verification=args.verification,
+                                    deterministic=args.deterministic) if name == "tlt" else None
     data = RolloutDataModule(
         args.task,
         prompts_per_step=args.prompts,
@@ -274,6 +275,7 @@ def run_lightning(
                 max_steps_per_event=args.stall_steps,
                 side_stream_sms=args.side_stream_sms,
                 publish_every_n_steps=1,
+                deterministic=args.deterministic,
             )
         )
     callbacks.append(recorder)

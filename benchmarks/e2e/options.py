@@ -58,6 +58,12 @@ class E2EOptions:
     side_stream_sms: int | None = None
     """a: the drafter's stall steps on a CUDA green context of this many SMs
     (DrafterTrainConfig.side_stream_sms; default: every SM)."""
+    verification: Literal["rejection", "coupled"] = "rejection"
+    """a: how drafts are verified (SpeculativeConfig.verification, both lossless): rejection sampling, or
+    coupled with the plain sampler (the same tokens as speculation off for the same seed)."""
+    deterministic: bool = False
+    """a: the draft-length tuner and the drafter's stall pacing decide from counted tokens and steps,
+    never from the clock (SpeculativeConfig.deterministic, DrafterCoTrainConfig.deterministic)."""
     steps: int = 20
     """RL steps of configurations a and b."""
     skip: int = 2

@@ -24,7 +24,7 @@ _T0 = time.perf_counter()
 DRAFTER_KEYS = ("drafter_prompts", "drafter_samples", "drafter_steps", "drafter_lr", "max_new")
 RUN_KEYS = ("steps", "prompts", "generations", "max_new", "lr", "micro_batch", "micro_batch_tokens", "threshold",
             "engine", "master_weights")
-TLT_KEYS = ("cotrain_lr", "stall_steps", "side_stream_sms")
+TLT_KEYS = ("cotrain_lr", "stall_steps", "side_stream_sms", "verification", "deterministic")
 """Settings only a (``tlt``) reads: they key a's file alone, so changing them reuses b's runs."""
 TRL_KEYS = ("trl_steps", "prompts", "generations", "max_new", "lr", "micro_batch", "master_weights")
 """c's settings (its time budget is not one: a unit that ran fewer than ``--trl-steps`` steps is measured

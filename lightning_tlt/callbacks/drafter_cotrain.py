@@ -70,6 +70,16 @@ class DrafterCoTrainConfig(DrafterTrainConfig):
     """Cap on the measured slowdown of stall decode steps by the drafter work beside them (0.05:
     5 %); the steps per event adapt online (`lightning_tlt.drafters.pacing.StallPacer`). ``None``:
     ``max_steps_per_event`` at every stall event, unmeasured (deterministic)."""
+    deterministic: bool = False
+    """Pace from counted stall events, never from the clock: each stall event earns
+    ``max_decode_slowdown / drafter_step_cost`` drafter steps (as credit, at most
+    ``max_steps_per_event``), the steps are handed over even if the side stream's queue is full (the
+    host waits), and nothing is trained while waiting for other ranks (how long that is, is timing).
+    Two runs with the same seed then make the same drafter steps: bit-identical checkpoints on the CPU.
+    The default of the CPU configs."""
+    drafter_step_cost: float = 0.25
+    """Deterministic mode: the slowdown one drafter step is assumed to add to the stall step beside it
+    (0.25: a quarter of that step), instead of measuring it."""
     train_while_waiting: bool = True
     """Under DDP, train after this rank's generation is done while other ranks still generate."""
     wait_max_steps: int = 200
@@ -123,6 +133,8 @@ class DrafterCoTrainConfig(DrafterTrainConfig):
         for name in ("max_steps_per_event", "wait_max_steps", "warm_start_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.drafter_step_cost > 0:
+            raise ValueError(f"drafter_step_cost must be > 0, got {self.drafter_step_cost!r}")
         if not self.wait_budget_s >= 0:
             raise ValueError(f"wait_budget_s must be >= 0, got {self.wait_budget_s!r}")
         if self.max_decode_slowdown is not None and not 0.0 < self.max_decode_slowdown <= 1.0:
@@ -212,7 +224,8 @@ class DrafterCoTrainCallback(Callback):
         """Runs the drafter's train steps (built at fit start with the drafter)."""
         self._engine = engine
         self.buffer = FeatureReplayBuffer(cfg.buffer_tokens, cfg.heldout_fraction, seed=cfg.seed)
-        self.pacer = StallPacer(cfg.max_steps_per_event, cfg.max_decode_slowdown)
+        self.pacer = StallPacer(cfg.max_steps_per_event, cfg.max_decode_slowdown,
+                                step_cost=cfg.drafter_step_cost if cfg.deterministic else None)
         self.version = 0
         self.publications = 0
         self.rl_steps = 0
@@ -381,7 +394,7 @@ class DrafterCoTrainCallback(Callback):
             return
         cfg = self.config
         if event.phase == "done":
-            if cfg.train_while_waiting and _world_size() > 1:
+            if cfg.train_while_waiting and not cfg.deterministic and _world_size() > 1:
                 self._train_while_waiting()
             return
         if event.phase not in ("decode", "speculative") or not 0 < event.active_rows <= cfg.stall_threshold:
@@ -392,7 +405,7 @@ class DrafterCoTrainCallback(Callback):
         n = self.pacer.plan(event.phase, event.active_rows, event.step_time_s, learner.in_flight(), event.captured,
                             event.draft_tokens)
         if n:
-            queued = learner.enqueue(n)
+            queued = learner.enqueue(n, block=cfg.deterministic)
             self.pacer.queued(queued, learner.in_flight())
             if queued:
                 self.step_log.append(("stall", event.active_rows, queued))
@@ -593,6 +606,7 @@ class DrafterCoTrainCallback(Callback):
             "eval_ready": self._eval_ready,
             "last_eval_step": self._last_eval_step,
             "warm_started": self._warm_started,
+            "pacer": self.pacer.state_dict(),
         }
 
     @override
@@ -625,6 +639,7 @@ class DrafterCoTrainCallback(Callback):
         self._eval_ready = None if state["eval_ready"] is None else tuple(state["eval_ready"])  # type: ignore[assignment]
         self._last_eval_step = int(state["last_eval_step"])
         self._warm_started = bool(state["warm_started"])
+        self.pacer.load_state_dict(state["pacer"])
         rank_zero_info(
             f"DrafterCoTrainCallback: resumed drafter version {self.version} after {self.learner.steps_enqueued} steps"
         )

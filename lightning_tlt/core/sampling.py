@@ -4,26 +4,56 @@ The same `processed_probs` is applied to the policy and to a drafter, so that sp
 verification compares the two distributions the user asked for (temperature, then top-k, then
 top-p, as HF ``generate`` and vLLM do). Sampling uses the exponential race (Gumbel-max in another
 guise): ``argmax(p / E)`` with ``E ~ Exp(1)`` draws exactly from ``p``, in one fused pass, without
-a host sync, from an explicit ``torch.Generator``.
+a host sync.
 
-Inside a compiled step the noise is drawn *outside* the compiled function (``torch.compile``
-cannot trace an explicit generator) by `exponential_noise`, one kernel captured in the same CUDA
-graph, and the race itself, `sample_with_noise`, fuses with the head's softmax: the head path is
-the LM head, one softmax and one argmax (plus a sort only when ``top_p < 1``).
+Keyed noise. The engine's noise is not drawn from a stream (whose order would depend on which rows
+share a step, in which slots, and on whether a step speculated) but computed by a counter-based hash
+(`keyed_bits`): the ``Exp(1)`` draw for vocabulary entry ``v`` of row ``r``'s token at completion
+position ``t`` is a pure function of ``(row key, t, purpose, v)``, the row key itself a function of
+the run's seed, the prompt and the sample index (`row_keys`). So a row draws the same numbers
+whatever the batch, the slot order or the admission order, and speculative verification can use
+the very numbers plain decoding would have used (`lightning_tlt.rollout.verify.verify_coupled`).
+The hash is integer arithmetic on tensors (``torch.compile`` fuses it with the head's softmax and
+the race: the ``(B, V)`` noise is never materialised, and no generator state is captured in a CUDA
+graph). Explicit generators (`exponential_noise`, `sample`) remain for code outside the engine.
 """
 
 from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "NOISE_ACCEPT",
+    "NOISE_DRAFT",
+    "NOISE_SAMPLE",
     "exponential_noise",
+    "keyed_bits",
+    "keyed_exponential",
+    "keyed_uniform",
     "processed_probs",
+    "row_keys",
     "sample",
+    "sample_keyed",
     "sample_with_noise",
     "token_logprobs",
 ]
+
+NOISE_SAMPLE = 0
+"""Purpose of the race that picks a row's token at a position (plain decoding, and the verifier's)."""
+NOISE_DRAFT = 1
+"""Purpose of a drafter's own race under rejection sampling (independent of the verifier's numbers)."""
+NOISE_ACCEPT = 2
+"""Purpose of the uniform that accepts or rejects a draft under rejection sampling."""
+
+_MASK32 = 0xFFFFFFFF
+# odd multipliers below 2**31: a 32-bit value times one stays below 2**63, so int64 never overflows
+# (signed overflow would be undefined behaviour in Inductor's C++ code)
+_MUL1, _MUL2 = 0x7FEB352D, 0x2C1B3C6D
+_PURPOSE_SALT = 0x68E31DA4
 
 _TINY = 1e-30  # keeps p / E finite when an Exp(1) draw underflows to 0
 
@@ -65,6 +95,76 @@ def exponential_noise(
     """``Exp(1)`` draws of ``shape`` in float32, clamped away from 0 (the race's noise)."""
     noise = torch.empty(shape, dtype=torch.float32, device=device).exponential_(generator=generator)
     return noise.clamp_min_(_TINY)
+
+
+def row_keys(seed: int, prompts: Sequence[Sequence[int]], num_samples: int = 1) -> list[int]:
+    """The noise key of every row of a ``generate`` call (prompt-major: all samples of prompt 0 first).
+
+    A row's key is a hash of the seed, the prompt's tokens, which occurrence of that prompt in the
+    call it is (a prompt given twice draws independent rollouts) and the sample index: so it does not
+    depend on where the prompt stands in the list, nor on anything about the other rows.
+
+    Returns:
+        ``len(prompts) * num_samples`` non-negative keys below ``2**62``.
+    """
+    seen: dict[tuple[int, ...], int] = {}
+    keys: list[int] = []
+    for prompt in prompts:
+        ids = tuple(int(t) for t in prompt)
+        occurrence = seen.get(ids, 0)
+        seen[ids] = occurrence + 1
+        digest = hashlib.blake2b(repr((int(seed), ids, occurrence)).encode(), digest_size=8).digest()
+        base = int.from_bytes(digest, "little")
+        for g in range(num_samples):
+            sample = hashlib.blake2b(base.to_bytes(8, "little") + g.to_bytes(8, "little"), digest_size=8).digest()
+            keys.append(int.from_bytes(sample, "little") >> 2)
+    return keys
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A bijective 32-bit integer mixer (xorshift-multiply, after Wellons' ``lowbias32``) on int64."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL1) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MUL2) & _MASK32
+    return x ^ (x >> 16)
+
+
+def keyed_bits(keys: Tensor, positions: Tensor, purpose: int, columns: Tensor | None = None) -> Tensor:
+    """32 pseudo-random bits per ``(key, position, purpose[, column])``, as int64 in ``[0, 2**32)``.
+
+    Args:
+        keys: ``(...)`` int64 row keys (`row_keys`), non-negative.
+        positions: ``(...)`` int64 positions (broadcast against ``keys``).
+        purpose: which stream (`NOISE_SAMPLE`, `NOISE_DRAFT`, `NOISE_ACCEPT`): each is independent.
+        columns: ``(V,)`` int64 ids; the result gets a trailing ``V`` dimension.
+
+    Returns:
+        ``(..., [V])`` int64.
+    """
+    h = _mix32((keys & _MASK32) ^ (_PURPOSE_SALT * (purpose + 1) & _MASK32))
+    h = _mix32(h ^ ((keys >> 32) & _MASK32))
+    h = _mix32(h ^ (positions & _MASK32))
+    if columns is not None:
+        h = _mix32(_mix32(h[..., None] ^ columns))
+    return h
+
+
+def keyed_uniform(keys: Tensor, positions: Tensor, purpose: int, columns: Tensor | None = None) -> Tensor:
+    """``U(0, 1)`` float32 draws, never 0 nor 1: 24 bits of `keyed_bits`, centred in their interval."""
+    bits = keyed_bits(keys, positions, purpose, columns) >> 8
+    return (bits.float() + 0.5) * (1.0 / (1 << 24))
+
+
+def keyed_exponential(keys: Tensor, positions: Tensor, purpose: int, columns: Tensor | None = None) -> Tensor:
+    """``Exp(1)`` float32 draws ``-log U`` of `keyed_uniform` (finite and positive)."""
+    return -torch.log(keyed_uniform(keys, positions, purpose, columns))
+
+
+def sample_keyed(probs: Tensor, keys: Tensor, positions: Tensor, purpose: int = NOISE_SAMPLE) -> Tensor:
+    """The exponential race over ``probs`` (``(..., V)``) with keyed noise; ``keys``/``positions`` ``(...)``."""
+    columns = torch.arange(probs.shape[-1], device=probs.device)
+    return sample_with_noise(probs, keyed_exponential(keys, positions, purpose, columns))
 
 
 def sample_with_noise(probs: Tensor, noise: Tensor) -> Tensor:

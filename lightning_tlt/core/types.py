@@ -25,6 +25,7 @@ __all__ = [
     "StepListener",
     "RolloutBackend",
     "SpecMethod",
+    "Verification",
     "SpeculativeConfig",
 ]
 
@@ -150,6 +151,7 @@ class RolloutBackend(Protocol):
 
 
 SpecMethod = Literal["eagle", "suffix", "none"]
+Verification = Literal["rejection", "coupled"]
 
 
 @dataclass
@@ -187,10 +189,28 @@ class SpeculativeConfig:
     drafter_path: str | None = None
     """Directory of an exported EAGLE drafter (``EagleDrafter.save_pretrained``) to load; ``None``
     starts a cold drafter from the policy (``EagleDrafter.from_target``)."""
+    verification: Verification = "rejection"
+    """How drafts are verified, both lossless: "rejection" (speculative rejection sampling, Leviathan
+    et al. 2023) or "coupled" (`lightning_tlt.rollout.verify.verify_coupled`: a draft is accepted iff
+    it is the token plain decoding draws with the row's keyed noise, so speculation on or off gives
+    the same tokens for the same seed; an EAGLE drafter races with that same noise)."""
+    deterministic: bool = False
+    """The tuner scores draft lengths on a fixed cost model (a step drafting k tokens a row costs
+    ``1 + tuner_draft_cost * k`` plain steps) and the tokens it counted, never on measured time, and
+    reads those counts at fixed points (on CUDA: one step late, waiting if needed): its choices, hence
+    the rollouts, repeat exactly for the same seed. The default of the CPU configs; on a GPU it trades
+    the measured choice of k for reproducibility."""
+    tuner_draft_cost: float = 0.1
+    """Deterministic mode: the cost of drafting and verifying one more token a row, in plain decode
+    steps."""
 
     def __post_init__(self) -> None:
         if self.method not in ("eagle", "suffix", "none"):
             raise ValueError(f"method must be 'eagle', 'suffix' or 'none', got {self.method!r}")
+        if not self.tuner_draft_cost >= 0:
+            raise ValueError(f"tuner_draft_cost must be >= 0, got {self.tuner_draft_cost!r}")
+        if self.verification not in ("rejection", "coupled"):
+            raise ValueError(f"verification must be 'rejection' or 'coupled', got {self.verification!r}")
         if self.num_draft_tokens is not None and not 1 <= self.num_draft_tokens <= 16:
             raise ValueError(f"num_draft_tokens must be in [1, 16] or None, got {self.num_draft_tokens!r}")
         if not self.draft_candidates or any(not 1 <= k <= 16 for k in self.draft_candidates):

@@ -28,6 +28,12 @@ stall step in 21, and the mean slowdown was 24 % against a cap of 5 % (in simula
 Clean baselines are refreshed by probing: when a bucket's baseline is missing or old, the pacer
 queues nothing until the side stream has drained, and the next step of that bucket is clean.
 
+Deterministic pacing (``step_cost``): no clock is read. Each drafter step is assumed to slow the
+stall step beside it by ``step_cost`` (a fraction of that step), so the cap allows
+``max_slowdown / step_cost`` drafter steps per stall event (at most ``max_per_event``), queued as
+credit exactly as above: the same stall events give the same drafter steps in every run, which is
+what makes two same-seed runs bit-identical (`DrafterCoTrainConfig.deterministic`).
+
 What it reports is kept apart from what steers it: `take_window` gives, since its last call, the
 mean slowdown of stall steps with every observation as measured (clean steps 0, nothing limited),
 the share of stall steps that ran beside drafter work and their median slowdown. The callback used
@@ -59,6 +65,9 @@ class StallPacer:
         max_penalty: most one observation counts against the rate, in units of the controller's
             step, relative to what loaded steps usually measure (see the module docstring); the
             moving average `slowdown` averages the limited observations alike.
+        step_cost: deterministic pacing: the slowdown one drafter step is assumed to add to the stall
+            step beside it; the rate is then fixed at ``max_slowdown / step_cost`` (capped at
+            ``max_per_event``) and no step time is read. ``None``: paced on measured step times.
     """
 
     max_per_event: int
@@ -68,6 +77,7 @@ class StallPacer:
     gain: float = 0.05
     min_rate: float = 1e-3
     max_penalty: float = 20.0
+    step_cost: float | None = None
     rate: float = 1.0
     """Current drafter steps per stall event."""
     slowdown: float = 0.0
@@ -89,6 +99,10 @@ class StallPacer:
             raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing!r}")
         if not self.max_penalty > 0:
             raise ValueError(f"max_penalty must be > 0, got {self.max_penalty!r}")
+        if self.step_cost is not None and not self.step_cost > 0:
+            raise ValueError(f"step_cost must be > 0 or None, got {self.step_cost!r}")
+        if self.step_cost is not None and self.max_slowdown is not None:
+            self.rate = self.max_slowdown / self.step_cost
         self.rate = min(self.rate, float(self.max_per_event))
 
     @staticmethod
@@ -112,6 +126,11 @@ class StallPacer:
         ``draft_tokens``: the step's ``k`` (`lightning_tlt.core.types.StepEvent.draft_tokens`)."""
         if self.max_slowdown is None:
             return self.max_per_event
+        if self.step_cost is not None:  # deterministic: a fixed rate, as credit, whatever the clock says
+            self._credit = min(self._credit + self.rate, float(self.max_per_event))
+            n = int(self._credit)
+            self._credit -= n
+            return n
         key = self.bucket(phase, active_rows, draft_tokens)
         clean = self._clean.get(key)
         a = self.smoothing
@@ -144,6 +163,14 @@ class StallPacer:
             self._credit -= n
         self._loaded = in_flight + n > 0
         return n
+
+    def state_dict(self) -> dict[str, float]:
+        """The controller's rate and queued credit (a resumed run paces on from where it was)."""
+        return {"rate": self.rate, "credit": self._credit}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.rate = float(state["rate"])
+        self._credit = float(state["credit"])
 
     def take_window(self) -> dict[str, float]:
         """Since the last call (then reset): ``slowdown``, the mean relative slowdown of the measured

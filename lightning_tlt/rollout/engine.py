@@ -44,7 +44,7 @@ from lightning_tlt.core.compile_cache import CompileCache, device_key, resolve_c
 from lightning_tlt.core.kv_cache import KVCache, kv_bytes_per_slot
 from lightning_tlt.core.prompts import check_stop_ids, policy_positions, validate_prompts
 from lightning_tlt.core.runner import ModelRunner, eos_token_ids, is_supported, unwrap_model
-from lightning_tlt.core.sampling import exponential_noise
+from lightning_tlt.core.sampling import row_keys
 from lightning_tlt.core.types import (
     FinishReason,
     RolloutOutput,
@@ -235,6 +235,7 @@ class RolloutEngine:
             self._tuner = DraftLengthTuner(
                 arms, epsilon=spec.tuner_epsilon, min_samples=spec.tuner_min_samples,
                 prune_margin=spec.tuner_prune_margin,
+                cost_model=draft_cost_model(spec.tuner_draft_cost) if spec.deterministic else None,
             )
         self._vocab = DraftVocabulary(spec.draft_vocab_size, self.vocab_size)
         self._spec_step: SpeculativeStep | None = None
@@ -491,8 +492,13 @@ class RolloutEngine:
         check_stop_ids(sampling.stop_token_ids or [], self.vocab_size)  # the caller's; the model's are its own
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids are supported, got {stop_ids!r}")
-        gen = self._generator(generator)
-        requests = [Request(p * num_samples + g, p, ids[p]) for p in range(len(ids)) for g in range(num_samples)]
+        seed = self._seed(generator)
+        gen = self._generator(seed)
+        keys = row_keys(seed, ids, num_samples)
+        requests = [
+            Request(p * num_samples + g, p, ids[p], keys[p * num_samples + g])
+            for p in range(len(ids)) for g in range(num_samples)
+        ]  # fmt: skip
         if self._copy is not None:
             self._copy.sync()  # the policy trained since the last call
         was_training = self._hf.training
@@ -516,13 +522,18 @@ class RolloutEngine:
                 run.bar.close()
         return self._output(requests, run, stop_ids, time.perf_counter() - start)
 
-    def _generator(self, generator: torch.Generator | None) -> torch.Generator:
-        """The engine's device generator, seeded from ``generator`` (advancing it) or at random."""
+    @staticmethod
+    def _seed(generator: torch.Generator | None) -> int:
+        """The call's seed: one draw from ``generator`` (advancing it), or from torch's default one."""
+        source = "cpu" if generator is None else generator.device
+        return int(torch.randint(0, 2**62, (1,), generator=generator, device=source).item())
+
+    def _generator(self, seed: int) -> torch.Generator:
+        """The engine's device generator, seeded with ``seed``: what host drafters' ``draft`` draws from
+        (the engine's own sampling uses keyed noise, `lightning_tlt.core.sampling.row_keys`)."""
         device = self.device
         if self._gen is None or self._gen.device != device:
             self._gen = torch.Generator(device)
-        source = "cpu" if generator is None else generator.device
-        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=source).item())
         self._gen.manual_seed(seed)
         return self._gen
 
@@ -556,7 +567,7 @@ class RolloutEngine:
             warnings.warn("use_cuda_graphs=True without CUDA: running eagerly", stacklevel=3)
             use_graphs = False
         self._gen = self._gen if self._gen is not None and self._gen.device == device else torch.Generator(device)
-        backend = CUDAGraphBackend(device, generators=[self._gen]) if use_graphs else None
+        backend = CUDAGraphBackend(device) if use_graphs else None  # keyed noise: no generator in a graph
         use_compile = on_cuda if self._compile is None else self._compile
         # compiled, a lone row is padded to two: Dynamo specialises size 1 even under dynamic=True, so a
         # batch-1 step would compile every step function again when the tail first runs down to one row
@@ -576,7 +587,8 @@ class RolloutEngine:
             self._forward = torch.compile(self._model_step, fullgraph=True)
             self._decode_update = torch.compile(decode_update, fullgraph=True, dynamic=True)
         if self._spec_on:
-            self._spec_step = SpeculativeStep(self.max_draft_tokens, self._vocab, compile=use_compile)
+            self._spec_step = SpeculativeStep(self.max_draft_tokens, self._vocab, compile=use_compile,
+                                              coupled=self.speculative.verification == "coupled")
             rows = min(slots, self._graphs.bucket(min(self.speculative.threshold, slots)))
             assert self._gate is not None  # kept (with what it learned), capped to the rows the buffers serve
             self._gate.threshold = min(self.speculative.threshold, rows)
@@ -644,8 +656,7 @@ class RolloutEngine:
         capture = self._capture_layers()
         logits, hidden = self._call_forward(st.tokens[:batch, None], st.positions[:batch, None], cache.k, cache.v,
                                             capture, kv_len)
-        noise = None if sampling.greedy else exponential_noise((batch, logits.shape[-1]), self._gen, logits.device)
-        self._decode_update(st, batch, logits, hidden, noise, sampling)
+        self._decode_update(st, batch, logits, hidden, sampling)
 
     def _run_plain(self, batch: int, sampling: SamplingKey, kv_len: int | None) -> None:
         """The plain decode step over ``batch`` slots, from its profile's graph."""
@@ -654,15 +665,9 @@ class RolloutEngine:
 
     def _run_step(self, profile: GraphProfile, fn: Callable[[], None]) -> None:
         graphs = self._graphs
-        assert graphs is not None and self._state is not None and self._gen is not None
+        assert graphs is not None and self._state is not None
         if graphs.enabled and profile not in graphs:
-            restore = self._state.snapshot()
-            gen_state = self._gen.get_state()
-
-            def reset() -> None:  # every warm-up run and the capture see the live step's state
-                restore()
-                self._gen.set_state(gen_state)  # type: ignore[union-attr]
-
+            reset = self._state.snapshot()  # every warm-up run and the capture see the live step's state
             self._tracker.before_capture(graphs.stats, f"{profile.phase} step over {profile.batch} rows")
             with self._compiling():
                 graphs.capture([profile], lambda _: fn, reset)
@@ -787,6 +792,7 @@ class RolloutEngine:
             lengths - 1,
             torch.stack([features.get(s, zero) for s in slots]),
             prefix_end,
+            torch.tensor([r.key for _, r in admitted], device=device),
         )
 
     # ------------------------------------------------------------------ the loop
@@ -955,6 +961,8 @@ class RolloutEngine:
         """Read finished rows' completions, free their slots and repack the active rows."""
         st, cache, sched = self._state, self._cache, self._scheduler
         assert st is not None and cache is not None
+        # slot order: rows read below and requests released are matched index by index
+        done_slots = sorted(done_slots)
         idx = torch.tensor(done_slots, device=st.tokens.device)
         counts = st.num_generated[idx].cpu().tolist()
         longest = max(counts)
@@ -984,7 +992,12 @@ class RolloutEngine:
                 self.metrics.speculative_share.update(phase == "speculative", run.timers.steps[phase])
             self.metrics.tokens_per_second.update(phase, run.timers.tokens.get(phase, 0), seconds)
         if self._tuner is not None:
-            self._tuner.poll()
+            # deterministic: every count read by the end of the call (what the next call starts from never
+            # depends on how far the device had got); else whatever has completed
+            if self.speculative.deterministic:
+                self._tuner.flush()
+            else:
+                self._tuner.poll()
         if not self._vocab.full:
             self._vocab.observe([c for c, _ in run.results.values()])
         self._emit(StepEvent(run.steps, "done", 0, 0, sched.num_slots, 0.0))
@@ -1030,6 +1043,15 @@ class RolloutEngine:
         from tqdm.auto import tqdm
 
         return tqdm(total=total, unit="tok", desc="rollout", leave=False)
+
+
+def draft_cost_model(draft_cost: float) -> Callable[[int, int], float]:
+    """The deterministic tuner's cost of a step drafting ``k`` tokens a row: ``1 + draft_cost * k`` plain steps."""
+    return functools.partial(_draft_cost, draft_cost)
+
+
+def _draft_cost(draft_cost: float, k: int, rows: int) -> float:
+    return 1.0 + draft_cost * k
 
 
 def default_drafter(config: SpeculativeConfig, model: nn.Module) -> Any:

@@ -1,7 +1,8 @@
 """Generation for models the runner does not know: their own HF forward with ``past_key_values``.
 
 Slower (no static cache, no graphs, no speculation) but the same contract as the native path: the
-same sampling (`lightning_tlt.rollout.steps.sample_tokens`), stop tokens kept in the completion,
+same sampling (`lightning_tlt.rollout.steps.sample_tokens`, keyed noise by each request's key and
+completion position, so the same seed draws the same numbers as there), stop tokens kept in the completion,
 ``max_new_tokens`` as the cap, logprobs of the processed distribution, step events. Requests run
 in waves of ``num_slots`` rows, left-padded.
 """
@@ -16,10 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_tlt.core.sampling import exponential_noise
 from lightning_tlt.core.types import Phase, SamplingConfig, StepEvent
 from lightning_tlt.rollout.scheduler import Request
-from lightning_tlt.rollout.steps import SamplingKey, sample_tokens
+from lightning_tlt.rollout.steps import SamplingKey, row_noise, sample_tokens
 
 Results = dict[int, tuple[list[int], list[float]]]
 
@@ -29,14 +29,17 @@ def generate_hf(
     requests: list[Request],
     sampling: SamplingConfig,
     stop_ids: list[int],
-    generator: torch.Generator,
+    generator: torch.Generator | None = None,
     *,
     slots: int,
     emit: Callable[[StepEvent], None],
     bar: Any = None,
     timers: Any = None,
 ) -> tuple[Results, int, int]:
-    """Generate ``requests`` wave by wave; returns (results by request index, steps, row steps)."""
+    """Generate ``requests`` wave by wave; returns (results by request index, steps, row steps).
+
+    ``generator`` is unused (the noise is keyed by each request's ``key``); kept for callers.
+    """
     device = next(model.parameters()).device
     stops = torch.tensor(stop_ids or [-1], device=device)
     key = SamplingKey(sampling.temperature, sampling.top_k, sampling.top_p)
@@ -54,6 +57,7 @@ def generate_hf(
         ids, mask = ids.to(device), mask.to(device)
         position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
         finished = torch.zeros(len(wave), dtype=torch.bool, device=device)
+        keys = torch.tensor([r.key for r in wave], device=device)
         out_t: list[Tensor] = []
         out_lp: list[Tensor] = []
         past = None
@@ -63,7 +67,7 @@ def generate_hf(
                         **{cache_kw: past})
             past = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
             logits = out.logits[:, -1]
-            noise = None if key.greedy else exponential_noise(tuple(logits.shape), generator, device)
+            noise = None if key.greedy else row_noise(keys, torch.full_like(keys, i), logits.shape[-1])
             new, logp, _ = sample_tokens(logits, key, noise)
             new = torch.where(finished, torch.zeros_like(new), new)
             out_t.append(new)

@@ -24,6 +24,8 @@ class Request:
     """Which prompt it continues."""
     prompt: tuple[int, ...]
     """The prompt's token ids."""
+    key: int = 0
+    """Its sampling noise key (`lightning_tlt.core.sampling.row_keys`): what it draws depends on nothing else."""
 
 
 class SlotScheduler:
@@ -61,16 +63,19 @@ class SlotScheduler:
     def release(self, slots: Iterable[int]) -> tuple[list[Request], list[tuple[int, int]]]:
         """Free finished ``slots`` and repack; returns the finished requests and ``(src, dst)`` moves.
 
-        Each move says: the request in slot ``src`` now lives in slot ``dst`` (``dst < src``); the
-        caller copies that slot's device state (KV cache, step state) accordingly.
+        ``finished[i]`` is the request that was in ``slots[i]``, in the caller's order (a caller reads
+        the rows' outputs in that same order; the engine's harvest one step late asks for slots in the
+        order of an older snapshot, which repacking has since permuted). Each move says: the request in
+        slot ``src`` now lives in slot ``dst`` (``dst < src``); the caller copies that slot's device
+        state (KV cache, step state) accordingly.
         """
-        finished = sorted(set(slots))
-        if any(not 0 <= s < len(self.active) for s in finished):
-            raise ValueError(f"slots must be active slots in [0, {len(self.active)}), got {finished!r}")
-        done = [self.active[s] for s in finished]
-        keep = len(self.active) - len(finished)
-        finished_set = set(finished)
-        holes = [s for s in finished if s < keep]
+        order = list(slots)
+        if len(set(order)) != len(order) or any(not 0 <= s < len(self.active) for s in order):
+            raise ValueError(f"slots must be distinct active slots in [0, {len(self.active)}), got {order!r}")
+        done = [self.active[s] for s in order]
+        keep = len(self.active) - len(order)
+        finished_set = set(order)
+        holes = sorted(s for s in order if s < keep)
         movers = [s for s in range(keep, len(self.active)) if s not in finished_set]
         assert len(holes) == len(movers)
         moves = list(zip(movers, holes))

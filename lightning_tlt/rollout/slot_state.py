@@ -67,8 +67,9 @@ class SlotState:
     Decode state: ``tokens`` (the next input token of each slot), ``positions`` (its position, the
     slot's KV length), ``num_generated``, ``finished`` (finished, or an empty slot), ``out_tokens``
     and ``out_logprobs`` (``(S, M + 1)``: column ``M`` is a sink for inactive rows), ``hidden`` (the
-    policy's feature at each slot's last fed token: what an EAGLE drafter reads); per call:
-    ``stop_ids`` (padded with -1) and ``max_new``.
+    policy's feature at each slot's last fed token: what an EAGLE drafter reads), ``keys`` (each
+    row's noise key, `lightning_tlt.core.sampling.row_keys`: with ``num_generated`` it names the
+    numbers a row's next token is drawn with); per call: ``stop_ids`` (padded with -1) and ``max_new``.
     """
 
     tokens: Tensor
@@ -78,6 +79,7 @@ class SlotState:
     out_tokens: Tensor
     out_logprobs: Tensor
     hidden: Tensor
+    keys: Tensor
     stop_ids: Tensor
     max_new: Tensor
     spec: SpecSlots | None = None
@@ -107,6 +109,7 @@ class SlotState:
             out_tokens=torch.zeros(num_slots, max_new_tokens + 1, **long),
             out_logprobs=torch.zeros(num_slots, max_new_tokens + 1, dtype=torch.float32, device=device),
             hidden=torch.zeros(num_slots, feature_width, dtype=dtype, device=device),
+            keys=torch.zeros(num_slots, **long),
             stop_ids=torch.full((MAX_STOP_IDS,), -1, **long),
             max_new=torch.zeros((), **long),
         )
@@ -138,7 +141,7 @@ class SlotState:
     def per_slot(self) -> list[Tensor]:
         """Every tensor indexed by slot (what `move_rows` moves)."""
         out = [self.tokens, self.positions, self.num_generated, self.finished, self.out_tokens,
-               self.out_logprobs, self.hidden]
+               self.out_logprobs, self.hidden, self.keys]
         if self.spec is not None:
             out += self.spec.per_slot()
         return out
@@ -174,6 +177,7 @@ class SlotState:
         positions: Tensor,
         features: Tensor,
         prefix_end: Tensor | None = None,
+        keys: Tensor | None = None,
     ) -> None:
         """Admit requests into ``slots``: a fresh row state, nothing inherited from the slot's previous request.
 
@@ -183,11 +187,13 @@ class SlotState:
             positions: ``(n,)`` its position (prompt length - 1).
             features: ``(n, F)`` the policy's feature at the position before it.
             prefix_end: ``(n,)`` last prompt position the drafter has cached (``None``: none, -1).
+            keys: ``(n,)`` the rows' noise keys (``None``: 0).
         """
         self.tokens[slots] = last_tokens
         self.positions[slots] = positions
         self.hidden[slots] = features.to(self.hidden.dtype)
         self.num_generated[slots] = 0
+        self.keys[slots] = 0 if keys is None else keys
         self.finished[slots] = False
         spec = self.spec
         if spec is not None:

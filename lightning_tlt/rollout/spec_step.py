@@ -2,8 +2,8 @@
 
 TLT's adaptive speculative decoding (arXiv 2511.16665, §4) as one component with an explicit
 interface: the engine hands it a `StepContext` (the slot state, the KV cache, the compiled policy
-forward, the graph cache, the generator) and the drafter; it launches the step's device work and
-never reaches into the engine. The engine loop stays the one orchestrator (admission, the gate and
+forward, the graph cache, a generator for host drafters) and the drafter; it launches the step's
+device work and never reaches into the engine. The engine loop stays the one orchestrator (admission, the gate and
 the tuner's choice of ``k``, harvesting finished rows).
 
 1. **Draft.**
@@ -26,11 +26,13 @@ the tuner's choice of ``k``, harvesting finished rows).
      rollout).
 2. **Verify.** The policy runs ``[pending token, d_0 .. d_{k-1}]`` at positions ``L .. L + k`` of
    each row in one forward, and `lightning_tlt.rollout.verify.verify_chain` accepts per row by
-   rejection sampling (Leviathan et al. 2023; Chen et al. 2023): every emitted token is distributed
-   exactly as plain sampling from the policy, greedy stays greedy, and a non-finite draft is a
-   rejection. Rows advance by the tokens they accepted plus one (clipped at a stop token or
-   ``max_new_tokens``); the KV written for rejected drafts lies past the row's new length and is
-   overwritten before it is ever read.
+   rejection sampling (Leviathan et al. 2023; Chen et al. 2023), or
+   `lightning_tlt.rollout.verify.verify_coupled` by coupling with the plain sampler
+   (``SpeculativeConfig.verification``): every emitted token is distributed exactly as plain
+   sampling from the policy (coupled: it *is* plain sampling's token for the row's keyed noise),
+   greedy stays greedy, and a non-finite draft is a rejection. Rows advance by the tokens they
+   accepted plus one (clipped at a stop token or ``max_new_tokens``); the KV written for rejected
+   drafts lies past the row's new length and is overwritten before it is ever read.
 
 The EAGLE path needs no host read at all (the engine reads finish flags and emitted counts one
 step late, as for plain decoding); a host drafter needs the new tokens before it can draft again,
@@ -48,7 +50,7 @@ from torch import Tensor
 
 from lightning_tlt.core.kv_cache import KVCache
 from lightning_tlt.core.runner import rope_cos_sin
-from lightning_tlt.core.sampling import exponential_noise
+from lightning_tlt.core.sampling import NOISE_DRAFT, NOISE_SAMPLE
 from lightning_tlt.drafters.base import DraftProposal
 from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.drafters.suffix import SuffixDrafter
@@ -72,6 +74,7 @@ class StepContext:
     run: Callable[[GraphProfile, Callable[[], None]], None]
     """Replays a profile's graph (capturing ``fn`` on a miss): the engine's ``_run_step``."""
     generator: torch.Generator
+    """Seeded per call from the caller's generator: only host drafters' own ``draft`` draws from it."""
     capture_layers: tuple[int, ...]
     attention: str
     """The resolved cached-attention backend ("triton" or "sdpa"), also used by the drafter's layer."""
@@ -141,11 +144,14 @@ class SpeculativeStep:
         max_draft_tokens: the largest ``k`` (the state's buffers are sized for it).
         vocab: the draft vocabulary (shared with the engine, which counts rollouts into it).
         compile: ``torch.compile(fullgraph=True)`` the step's device functions.
+        coupled: verify by coupling with the plain sampler (`verify_coupled`; an EAGLE drafter then
+            races with the verifier's own noise), else by rejection sampling.
     """
 
-    def __init__(self, max_draft_tokens: int, vocab: DraftVocabulary, *, compile: bool) -> None:
+    def __init__(self, max_draft_tokens: int, vocab: DraftVocabulary, *, compile: bool, coupled: bool = False) -> None:
         self.max_k = max_draft_tokens
         self.vocab = vocab
+        self.coupled = coupled
         self.use_eager()
         if compile:
             allow_recompiles()
@@ -280,12 +286,13 @@ class SpeculativeStep:
         kv_len: int | None,
     ) -> None:
         """Catch up, chain k drafts, verify: one graph-capturable step, in place on the static state."""
-        st, gen = ctx.state, ctx.generator
+        st = ctx.state
         spec = st.spec
         assert spec is not None and spec.dcache is not None and self._head is not None
         head, bias, ids = self._head
-        vd = head.shape[0]
-        noise = None if sampling.greedy else exponential_noise((k, batch, vd), gen, head.device)
+        keys = None if sampling.greedy else st.keys[:batch]
+        count = st.num_generated[:batch]  # draft j is the row's token at completion position count + j
+        purpose = NOISE_SAMPLE if self.coupled else NOISE_DRAFT
         # rows whose last step was plain (or new rows): one true row, the newest feature + pending token
         # (after a plain step `run` has cleared every slot's flag: no catch-up block is current)
         fresh = spec.cu_fresh[:batch] & ~st.finished[:batch]  # padding rows: stale blocks are never read
@@ -315,7 +322,7 @@ class SpeculativeStep:
                 p = width + j - 1
                 feature = self._chain_row(drafter, feature, token, chain_pos[:, p : p + 1], dk, dv, hole,
                                           cos[:, p : p + 1], sin[:, p : p + 1], ctx.attention)
-            index, q = self._draft_sample(feature, head, bias, None if noise is None else noise[j], sampling)
+            index, q = self._draft_sample(feature, head, bias, keys, count + j, purpose, ids, sampling)
             token = index if ids is None else ids[index]
             probs.append(q)
             indices.append(index)
@@ -331,7 +338,7 @@ class SpeculativeStep:
         draft_vocab: Tensor | None, kv_len: int | None,
     ) -> None:
         """The policy's forward over k + 1 tokens a row, then `verify_update` (graph-capturable)."""
-        st, cache, gen = ctx.state, ctx.cache, ctx.generator
+        st, cache = ctx.state, ctx.cache
         spec = st.spec
         assert spec is not None
         pos = st.positions[:batch]
@@ -339,15 +346,9 @@ class SpeculativeStep:
         offsets = torch.arange(k + 1, device=pos.device)
         logits, hidden = ctx.forward(inputs, pos[:, None] + offsets[None], cache.k, cache.v, ctx.capture_layers,
                                      kv_len)
-        if sampling.greedy:  # acceptance is 0 or 1 and the correction an argmax: no randomness at all
-            uniforms = torch.zeros(batch, k, device=pos.device)
-            noise = torch.ones(batch, logits.shape[-1], device=pos.device)
-        else:  # drawn here, not in the compiled update (it cannot trace an explicit generator)
-            uniforms = torch.rand(batch, k, generator=gen, device=pos.device)
-            noise = exponential_noise((batch, logits.shape[-1]), gen, pos.device)
         if probs is not None:
             probs = probs[:batch, :k]
-        self._verify_update(st, batch, k, logits, hidden, probs, uniforms, noise, sampling, draft_vocab)
+        self._verify_update(st, batch, k, logits, hidden, probs, sampling, draft_vocab, self.coupled)
 
     # ------------------------------------------------------------------ host drafting
     def _draft_host(

@@ -1,15 +1,17 @@
 """The device work of one engine step, as functions ``torch.compile`` fuses and a CUDA graph replays.
 
 Each function reads and writes only static buffers (`lightning_tlt.rollout.slot_state.SlotState`)
-and tensors handed in, never syncs with the host, and takes its randomness as noise drawn
-beforehand (``torch.compile`` cannot trace an explicit ``torch.Generator``; the engine draws the
-noise in the same captured graph). The policy's forward is compiled on its own (once for all
-steps); these are the rest of a step:
+and tensors handed in, and never syncs with the host. Its randomness is keyed noise
+(`lightning_tlt.core.sampling.keyed_exponential`) computed inside the function from each row's key
+(``SlotState.keys``) and completion position (``SlotState.num_generated``): no generator is traced
+or captured, and a row draws the same numbers in any batch, slot or step kind. The policy's forward
+is compiled on its own (once for all steps); these are the rest of a step:
 
 - `decode_update`: the head's sampling (temperature, top-k, top-p, the exponential race, the
   logprob) and the state update of a plain decode step;
-- `verify_update`: the target's processed distributions, `verify_chain`, the state update
-  (stop tokens, length caps), the EAGLE catch-up block and the speculation counters;
+- `verify_update`: the target's processed distributions, `verify_chain` (rejection sampling) or
+  `verify_coupled` (the plain sampler's tokens), the state update (stop tokens, length caps), the
+  EAGLE catch-up block and the speculation counters;
 - `draft_sample`: one EAGLE draft token per row from a predicted feature, over the draft
   vocabulary's head.
 """
@@ -24,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_tlt.core.sampling import processed_probs, sample_with_noise
+from lightning_tlt.core.sampling import NOISE_SAMPLE, keyed_exponential, processed_probs, sample_with_noise
 from lightning_tlt.rollout.slot_state import SlotState
-from lightning_tlt.rollout.verify import verify_chain
+from lightning_tlt.rollout.verify import verify_chain, verify_coupled
 
 RECOMPILE_LIMIT = 64
 """Compiled versions allowed per step function (torch's default is 8)."""
@@ -103,20 +105,25 @@ def sample_tokens(logits: Tensor, sampling: SamplingKey, noise: Tensor | None) -
     return tokens, logp, probs
 
 
-def decode_update(
-    st: SlotState, batch: int, logits: Tensor, hidden: Tensor, noise: Tensor | None, sampling: SamplingKey
-) -> None:
+def row_noise(keys: Tensor, positions: Tensor, vocab: int, purpose: int = NOISE_SAMPLE) -> Tensor:
+    """``(B, V)`` keyed ``Exp(1)`` noise of each row's token at its completion position."""
+    return keyed_exponential(keys, positions, purpose, torch.arange(vocab, device=keys.device))
+
+
+def decode_update(st: SlotState, batch: int, logits: Tensor, hidden: Tensor, sampling: SamplingKey) -> None:
     """Sample the next token of slots ``0..batch-1`` and advance them (in place).
+
+    The race's noise is keyed by each row's key and completion position (`row_noise`).
 
     Args:
         logits: ``(B, 1, V)`` of the step's forward; ``hidden``: ``(B, 1, F)`` its features.
-        noise: ``(B, V)`` ``Exp(1)`` noise (``None`` when greedy).
     """
     tokens, positions = st.tokens[:batch], st.positions[:batch]
+    count = st.num_generated[:batch]
+    noise = None if sampling.greedy else row_noise(st.keys[:batch], count, logits.shape[-1])
     new, logp, _ = sample_tokens(logits[:, -1], sampling, noise)
     active = ~st.finished[:batch]
     st.hidden[:batch] = hidden[:, -1].to(st.hidden.dtype)
-    count = st.num_generated[:batch]
     sink = st.out_tokens.shape[1] - 1
     column = torch.where(active, count, torch.full_like(count, sink))[:, None]
     st.out_tokens[:batch].scatter_(1, column, new[:, None])
@@ -136,33 +143,39 @@ def verify_update(
     logits: Tensor,
     hidden: Tensor,
     draft_probs: Tensor | None,
-    uniforms: Tensor | None,
-    noise: Tensor | None,
     sampling: SamplingKey,
     draft_vocab: Tensor | None = None,
+    coupled: bool = False,
 ) -> None:
-    """Rejection-sample the drafts of slots ``0..batch-1`` and advance each row by what it accepted.
+    """Verify the drafts of slots ``0..batch-1`` and advance each row by what it accepted.
 
     Args:
         logits, hidden: ``(B, k + 1, V)`` and ``(B, k + 1, F)`` of the verify forward over
             ``[pending token, d_0 .. d_{k-1}]``.
         draft_probs: ``(B, k, V or Vd)`` the drafts' distributions, ``None`` for deterministic drafts.
-        uniforms, noise: ``(B, k)`` and ``(B, V)`` randomness for `verify_chain` (``None`` when greedy).
         draft_vocab: ``(Vd,)`` target ids of ``draft_probs``' columns, or ``None``.
+        coupled: `verify_coupled` (the plain sampler's tokens) instead of rejection sampling
+            (`verify_chain`); both draw keyed noise at the rows' completion positions.
     """
     spec = st.spec
     assert spec is not None and st.counters is not None
     pos = st.positions[:batch]
+    count = st.num_generated[:batch]
     drafts = spec.draft_tokens[:batch, :k]
     target = processed_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # (B, k+1, V)
     lens = spec.draft_lens[:batch]
-    result = verify_chain(
-        drafts, draft_probs, target, lens,
-        draft_vocab=draft_vocab, draft_index=None if draft_vocab is None else spec.draft_index[:batch, :k],
-        uniforms=uniforms, noise=noise,
-    )  # fmt: skip
+    keys = st.keys[:batch]
+    if sampling.greedy:  # one-hot targets: accept iff the draft is the argmax, emit the argmax
+        result = verify_coupled(drafts, target, lens, noise=torch.ones_like(target))
+    elif coupled:
+        result = verify_coupled(drafts, target, lens, keys=keys, start=count)
+    else:
+        result = verify_chain(
+            drafts, draft_probs, target, lens,
+            draft_vocab=draft_vocab, draft_index=None if draft_vocab is None else spec.draft_index[:batch, :k],
+            keys=keys, start=count,
+        )  # fmt: skip
     active = ~st.finished[:batch]
-    count = st.num_generated[:batch]
     offsets = torch.arange(k + 1, device=pos.device)
     toks, logps = result.tokens, result.logprobs  # (B, k+1)
     emitted = offsets[None] < result.num_emitted[:, None]
@@ -206,7 +219,14 @@ def verify_update(
 
 
 def draft_sample(
-    feature: Tensor, head: Tensor, bias: Tensor | None, noise: Tensor | None, sampling: SamplingKey
+    feature: Tensor,
+    head: Tensor,
+    bias: Tensor | None,
+    keys: Tensor | None,
+    positions: Tensor,
+    purpose: int,
+    columns: Tensor | None,
+    sampling: SamplingKey,
 ) -> tuple[Tensor, Tensor]:
     """One draft per row from a predicted feature over the draft vocabulary.
 
@@ -214,7 +234,12 @@ def draft_sample(
         feature: ``(B, H)`` the drafter's predicted feature.
         head: ``(Vd, H)`` the policy's LM-head rows of the draft vocabulary (all ``V`` rows without one).
         bias: ``(Vd,)`` or ``None``.
-        noise: ``(B, Vd)`` ``Exp(1)`` noise, ``None`` when greedy.
+        keys: ``(B,)`` the rows' noise keys, ``None`` when greedy (argmax).
+        positions: ``(B,)`` completion position of the drafted token.
+        purpose: the noise stream: `NOISE_SAMPLE` races with the verifier's own numbers (coupled
+            verification: the Gumbel coupling), `NOISE_DRAFT` with independent ones (rejection sampling).
+        columns: ``(Vd,)`` target ids of the draft vocabulary (``None``: the whole vocabulary): column
+            ``c`` draws the noise of token ``columns[c]``.
 
     Returns:
         ``(B,)`` long column in the draft vocabulary and ``(B, Vd)`` float32 the processed
@@ -222,5 +247,7 @@ def draft_sample(
     """
     logits = F.linear(feature, head.to(feature.dtype), None if bias is None else bias.to(feature.dtype))
     q = processed_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-    index = q.argmax(-1) if sampling.greedy or noise is None else sample_with_noise(q, noise)
-    return index, q
+    if sampling.greedy or keys is None:
+        return q.argmax(-1), q
+    ids = torch.arange(q.shape[-1], device=q.device) if columns is None else columns
+    return sample_with_noise(q, keyed_exponential(keys, positions, purpose, ids)), q

@@ -30,8 +30,12 @@ Timing never syncs the host with the device inside the decode loop: on CUDA, `st
 an event pair and copy the emitted-token count into pinned host memory asynchronously; the pair is
 read (``elapsed_time``) only once ``end.query()`` says it has completed, at a later `choose` or
 `poll`. On CPU, `time.perf_counter` is used and read at once. A ``cost_model`` (seconds of a step
-as a function of ``k`` and the active rows) replaces the clock: tests and simulations use it to be
-deterministic.
+as a function of ``k`` and the active rows) replaces the clock (the engine's deterministic mode,
+`SpeculativeConfig.deterministic`; tests and simulations): every arm is then scored on the tokens it
+counted over its modelled cost, and on CUDA the counts are read at fixed points, not when they
+happen to have arrived: `poll` reads every step but the newest (waiting for them, which the engine's
+one-step-late reads of the finish flags have mostly done already), so the choices depend on the
+counts alone.
 """
 
 from __future__ import annotations
@@ -280,7 +284,7 @@ class DraftLengthTuner:
             key = (timing.bucket, timing.k)
             self._started[key] = max(0, self._started.get(key, 0) - 1)
             return
-        if not self._cuda or self.cost_model is not None:
+        if not self._cuda:
             if self.cost_model is not None:
                 seconds = self.cost_model(timing.k, timing.rows)
             else:
@@ -308,9 +312,12 @@ class DraftLengthTuner:
         assert self._host_counts is not None
         if wait:
             timing.end_event.synchronize()
-        ms = timing.start_event.elapsed_time(timing.end_event)
+        if self.cost_model is not None:
+            seconds = self.cost_model(timing.k, timing.rows)
+        else:
+            seconds = timing.start_event.elapsed_time(timing.end_event) / 1000.0
         tokens, rows = self._host_counts[timing.slot].tolist()
-        self._add(timing.bucket, timing.k, tokens, ms / 1000.0, rows)
+        self._add(timing.bucket, timing.k, tokens, seconds, rows)
 
     @staticmethod
     def _tokens_and_rows(emitted: Tensor | int | float, active_rows: int) -> tuple[Tensor | float, Tensor | float]:
@@ -320,8 +327,16 @@ class DraftLengthTuner:
         return float(emitted), float(active_rows)
 
     def poll(self) -> int:
-        """Read the CUDA timings that have completed (in order, without waiting); returns how many."""
+        """Read the CUDA timings that have completed (in order, without waiting); returns how many.
+
+        With a ``cost_model``: every step but the newest, waiting if needed (fixed points, not timing).
+        """
         read = 0
+        if self.cost_model is not None:
+            while len(self._pending) > 1:
+                self._harvest(self._pending.popleft(), wait=True)
+                read += 1
+            return read
         while self._pending and self._pending[0].end_event.query():
             self._harvest(self._pending.popleft())
             read += 1

@@ -1,4 +1,4 @@
-"""Lossless verification of drafted tokens by rejection sampling.
+"""Lossless verification of drafted tokens: rejection sampling, or coupling with the plain sampler.
 
 Speculative sampling (Leviathan, Kalman and Matias 2023, "Fast Inference from Transformers via
 Speculative Decoding", Algorithm 1 and Theorem 3.5; Chen et al. 2023, "Accelerating Large Language
@@ -33,9 +33,23 @@ A drafter may draft over a *draft vocabulary* (EAGLE-3's reduced head: the ``Vd`
 tokens): ``q`` is then ``(B, k, Vd)`` over the target ids ``draft_vocab`` and 0 on every other
 token, which the formulas above handle as they are.
 
+Coupled verification (`verify_coupled`) is the other lossless rule, for keyed noise
+(`lightning_tlt.core.sampling`): plain decoding picks the token at position ``t`` as the exponential
+race's winner ``w_t = argmax(p_t / E_t)``, its noise ``E_t`` a function of the row's key and ``t``
+alone. The verifier computes the same winners from the target's distributions at the k + 1 positions,
+accepts drafts while they equal the winners and emits the winner at the first mismatch (or the bonus
+winner after k accepted drafts). The emitted tokens are the plain sampler's for those keys, whatever
+the drafter proposed: distributed exactly as ``p`` (each ``w_t ~ p_t``, the race being exact and the
+``E_t`` independent across positions), and speculation on or off gives the same tokens. A drafted
+token is accepted with probability ``p(d)`` for a deterministic draft (as in rejection sampling); a
+drafter that races its own ``q`` with the same ``E_t`` is accepted with the Gumbel coupling's
+probability ``P(argmax q/E = argmax p/E)``: at least ``(1 - d) / (1 + d)`` for the total variation
+``d`` between ``p`` and ``q`` (Daliri et al. 2024, "Coupling without Communication"), below rejection
+sampling's ``1 - d``, and 1 when ``q == p``.
+
 Everything here is vectorised over rows, never syncs with the host, and draws its randomness from
-an explicit ``torch.Generator``, or from noise drawn beforehand (``uniforms``, ``noise``), which is
-how a compiled step takes it.
+keyed noise (``keys``, ``start``: what a compiled step uses), from noise drawn beforehand
+(``uniforms``, ``noise``), or from an explicit ``torch.Generator``.
 """
 
 from __future__ import annotations
@@ -45,7 +59,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_tlt.core.sampling import exponential_noise, sample_with_noise
+from lightning_tlt.core.sampling import (
+    NOISE_ACCEPT,
+    NOISE_SAMPLE,
+    exponential_noise,
+    keyed_exponential,
+    keyed_uniform,
+    sample_with_noise,
+)
 
 
 @dataclass
@@ -105,6 +126,16 @@ def residual_probs(p: Tensor, q: Tensor) -> Tensor:
     return torch.where(mass > 0, diff / mass.clamp_min(torch.finfo(diff.dtype).tiny), p)
 
 
+def _chain_shape(draft_tokens: Tensor, target_probs: Tensor) -> tuple[int, int]:
+    """``(B, k)`` of the drafts, checked against the target's ``(B, k + 1, V)``."""
+    bsz, k = draft_tokens.shape
+    if target_probs.dim() != 3 or target_probs.shape[:2] != (bsz, k + 1):
+        raise ValueError(
+            f"target_probs must have shape (B, k + 1, V) = ({bsz}, {k + 1}, V), got {tuple(target_probs.shape)}"
+        )
+    return bsz, k
+
+
 def verify_chain(
     draft_tokens: Tensor,
     draft_probs: Tensor | None,
@@ -117,6 +148,8 @@ def verify_chain(
     draft_index: Tensor | None = None,
     uniforms: Tensor | None = None,
     noise: Tensor | None = None,
+    keys: Tensor | None = None,
+    start: Tensor | None = None,
 ) -> VerifyResult:
     """Verify a chain of drafted tokens per row by speculative rejection sampling.
 
@@ -146,15 +179,16 @@ def verify_chain(
             ``draft_vocab``).
         uniforms: ``(B, k)`` uniform draws for the acceptance tests (``None``: from ``generator``).
         noise: ``(B, V)`` ``Exp(1)`` draws for the correction sample (``None``: from ``generator``).
+        keys: ``(B,)`` row keys of keyed noise (`lightning_tlt.core.sampling.row_keys`), with
+            ``start``, ``(B,)`` the completion position of draft 0: the acceptance uniforms of position
+            ``t`` are ``keyed_uniform(key, t, NOISE_ACCEPT)`` and the correction (or bonus) token at
+            position ``t`` races with ``keyed_exponential(key, t, NOISE_SAMPLE)``, plain decoding's
+            numbers. Used where ``uniforms`` / ``noise`` are not given.
 
     Returns:
         A `VerifyResult`.
     """
-    bsz, k = draft_tokens.shape
-    if target_probs.dim() != 3 or target_probs.shape[:2] != (bsz, k + 1):
-        raise ValueError(
-            f"target_probs must have shape (B, k + 1, V) = ({bsz}, {k + 1}, V), got {tuple(target_probs.shape)}"
-        )
+    bsz, k = _chain_shape(draft_tokens, target_probs)
     vocab = target_probs.shape[-1]
     width = vocab if draft_vocab is None else draft_vocab.shape[0]
     if draft_probs is not None and draft_probs.shape != (bsz, k, width):
@@ -184,6 +218,9 @@ def verify_chain(
         assert column is not None
         q_draft = draft_probs.gather(-1, column.unsqueeze(-1)).squeeze(-1)  # (B, k)
     accept_p = acceptance_probs(p_draft, q_draft)
+    if uniforms is None and keys is not None:
+        assert start is not None, "keyed noise needs the start positions"
+        uniforms = keyed_uniform(keys[:, None], start[:, None] + positions[None, :k], NOISE_ACCEPT)
     if uniforms is None:
         uniforms = torch.rand(bsz, k, generator=generator, device=device, dtype=accept_p.dtype)
     accepted = (uniforms < accept_p) & valid  # (B, k)
@@ -204,6 +241,9 @@ def verify_chain(
         q_n = p_n.new_zeros(bsz, vocab).index_copy(1, draft_vocab, draft_probs[row, n_clamped].to(p_n.dtype))
     # "no draft" there (none proposed, or a non-finite one): residual = p (and no NaN reaches it)
     q_n = torch.where(n_is_draft.unsqueeze(-1), q_n, torch.zeros_like(q_n))
+    if noise is None and keys is not None:
+        assert start is not None, "keyed noise needs the start positions"
+        noise = keyed_exponential(keys, start + num_accepted, NOISE_SAMPLE, torch.arange(vocab, device=device))
     if noise is None:
         noise = exponential_noise((bsz, vocab), generator, device)
     correction = sample_with_noise(residual_probs(p_n, q_n), noise)  # (B,)
@@ -218,4 +258,57 @@ def verify_chain(
     logprobs = torch.where(emitted, logp, torch.zeros_like(logp))
     return VerifyResult(
         num_accepted=num_accepted, tokens=tokens, logprobs=logprobs, num_emitted=num_accepted + 1
+    )
+
+
+def verify_coupled(
+    draft_tokens: Tensor,
+    target_probs: Tensor,
+    draft_lens: Tensor | None = None,
+    *,
+    noise: Tensor | None = None,
+    keys: Tensor | None = None,
+    start: Tensor | None = None,
+    pad_token_id: int = 0,
+) -> VerifyResult:
+    """Verify drafts by coupling with the plain sampler: accept while a draft is the race's winner.
+
+    The token at draft position ``j`` of row ``b`` is ``w[b, j] = argmax(target_probs[b, j] / E[b, j])``
+    (the exponential race, as plain decoding runs it); drafts are accepted while they equal it, and
+    the first mismatch (or position ``k`` after k accepted drafts) emits the winner. See the module
+    docstring for why this is lossless; with keyed noise it emits exactly plain decoding's tokens.
+
+    Args:
+        draft_tokens: ``(B, k)`` long drafted tokens.
+        target_probs: ``(B, k + 1, V)`` the target's processed distributions.
+        draft_lens: ``(B,)`` valid drafts per row (``None``: k); positions past it are never accepted.
+        noise: ``(B, k + 1, V)`` ``Exp(1)`` draws; ``None``: keyed, from ``keys`` and ``start``.
+        keys: ``(B,)`` row keys (`lightning_tlt.core.sampling.row_keys`).
+        start: ``(B,)`` completion position of draft 0 (each row's tokens generated so far).
+        pad_token_id: value written after each row's emitted tokens.
+
+    Returns:
+        A `VerifyResult`.
+    """
+    bsz, k = _chain_shape(draft_tokens, target_probs)
+    device = target_probs.device
+    positions = torch.arange(k + 1, device=device)  # (k+1,)
+    if noise is None:
+        if keys is None or start is None:
+            raise ValueError("verify_coupled needs noise, or keys and start to compute it")
+        columns = torch.arange(target_probs.shape[-1], device=device)
+        noise = keyed_exponential(keys[:, None], start[:, None] + positions[None], NOISE_SAMPLE, columns)
+    winners = sample_with_noise(target_probs, noise)  # (B, k+1): the plain sampler's tokens
+    valid = torch.ones(bsz, k, dtype=torch.bool, device=device)
+    if draft_lens is not None:
+        valid = positions[None, :k] < draft_lens[:, None]
+    accepted = (draft_tokens == winners[:, :k]) & valid
+    num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # (B,)
+    emitted = positions[None] <= num_accepted[:, None]  # (B, k+1)
+    logp = target_probs.gather(-1, winners.unsqueeze(-1)).squeeze(-1).float().clamp_min(1e-30).log()
+    return VerifyResult(
+        num_accepted=num_accepted,
+        tokens=torch.where(emitted, winners, torch.full_like(winners, pad_token_id)),
+        logprobs=torch.where(emitted, logp, torch.zeros_like(logp)),
+        num_emitted=num_accepted + 1,
     )

@@ -163,6 +163,14 @@ def test_the_options_keep_their_flags_and_checks(e2e: ModuleType) -> None:
     from e2e.options import _parser
 
     assert "Most drafter steps queued at one stall event" in _parser().format_help()
+    # a's verification and deterministic mode: its own settings (they key a's runs, never b's)
+    plain, coupled = e2e.parse_args([]), e2e.parse_args(["--verification", "coupled", "--deterministic"])
+    assert (plain.verification, plain.deterministic, coupled.verification, coupled.deterministic) == \
+        ("rejection", False, "coupled", True)
+    assert e2e.run_file(plain, "tlt", 0) != e2e.run_file(coupled, "tlt", 0)
+    assert e2e.run_file(plain, "nospec", 0) == e2e.run_file(coupled, "nospec", 0)
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--verification", "maximal"])
 
 
 def test_the_e2e_carries_only_runs_measured_with_this_calls_settings(e2e: ModuleType, tmp_path: Path) -> None:

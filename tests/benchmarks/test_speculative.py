@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from collections.abc import Callable
+from types import ModuleType
 
 import pytest
 
 from lightning_tlt.core.types import StepEvent
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def test_capture_steps_are_binned_apart_and_the_tail_rate_counts_them_on_request() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import speculative
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+def test_capture_steps_are_binned_apart_and_the_tail_rate_counts_them_on_request(
+    benchmark_script: Callable[[str], ModuleType],
+) -> None:
+    speculative = benchmark_script("speculative")
     binner = speculative.RowBinner()
 
     def step(rows_after: int, tokens: int, seconds: float, captured: bool = False) -> None:
@@ -35,3 +31,13 @@ def test_capture_steps_are_binned_apart_and_the_tail_rate_counts_them_on_request
     assert binner.captured_s == pytest.approx(0.52)
     assert speculative.tail_rate(rates) == pytest.approx(12 / 0.02)  # the steps that captured nothing
     assert speculative.tail_rate(rates, captures=True) == pytest.approx(22 / 0.54)  # every step
+
+
+def test_verification_and_deterministic_flags(benchmark_script: Callable[[str], ModuleType]) -> None:
+    parser = benchmark_script("speculative").parser
+    args = parser().parse_args([])
+    assert (args.verification, args.deterministic) == ("rejection", False)
+    args = parser().parse_args(["--verification", "coupled", "--deterministic"])
+    assert (args.verification, args.deterministic) == ("coupled", True)
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        parser().parse_args(["--verification", "maximal"])

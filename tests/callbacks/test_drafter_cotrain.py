@@ -658,3 +658,90 @@ def test_bf16_mixed_trainer_cotrains_in_bf16(tmp_path: Path) -> None:
     assert cb.buffer.features is not None and cb.buffer.features.dtype == torch.bfloat16
     assert module.policy.model.embed_tokens.weight.dtype == torch.float32
     assert cb.drafter is not None and cb.drafter.fc.weight.dtype == torch.float32
+
+
+def _tensors(tree: object, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, by its path in the nested dicts and lists."""
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    out: dict[str, torch.Tensor] = {}
+    for key, value in items:
+        out.update(_tensors(value, f"{prefix}/{key}"))
+    return out
+
+
+def test_deterministic_runs_give_bit_identical_checkpoints(tmp_path: Path) -> None:
+    """Deterministic mode: the draft-length tuner on (scored on a cost model) and the stall pacing on (a fixed
+    drafter step cost): two same-seed fits write the same checkpoints, every tensor bit for bit (policy,
+    optimizer, drafter, its optimizer, replay buffer), at every step."""
+    spec = SpeculativeConfig(method="suffix", threshold=8, hysteresis_steps=1, num_draft_tokens=None,
+                             draft_candidates=(2, 4), deterministic=True, tuner_draft_cost=0.05)
+    runs = []
+    for run in range(2):
+        module, data = make(speculative=spec)
+        cb = callback(max_decode_slowdown=0.05, drafter_step_cost=0.1, max_steps_per_event=2, deterministic=True)
+        ckpt = ModelCheckpoint(dirpath=tmp_path / f"run{run}", every_n_train_steps=1, save_top_k=-1)
+        trainer(tmp_path, 4, [cb, ckpt], logger=False).fit(module, datamodule=data)
+        assert cb.learner is not None and cb.learner.steps_enqueued > 0
+        tuner = data.engine.tuner
+        assert tuner is not None and len({k for _, k in tuner.state_dict()["counts"]}) > 1  # it chose among arms
+        runs.append((cb.learner.steps_enqueued, tuner.state_dict()["rewards"]))
+    assert runs[0] == runs[1]
+    files = sorted(p.name for p in (tmp_path / "run0").glob("*.ckpt"))
+    assert len(files) == 4 and files == sorted(p.name for p in (tmp_path / "run1").glob("*.ckpt"))
+    for name in files:
+        a, b = (_tensors(torch.load(tmp_path / f"run{r}" / name, weights_only=False)) for r in range(2))
+        assert a.keys() == b.keys() and len(a) > 50
+        assert any("buffer" in key for key in a) and any("drafter" in key for key in a)
+        for key, value in a.items():
+            assert torch.equal(value, b[key]), (name, key)
+
+
+def test_deterministic_pacing_counts_stall_events_never_the_clock() -> None:
+    from lightning_tlt.drafters.pacing import StallPacer
+
+    pacer = StallPacer(max_per_event=2, max_slowdown=0.05, step_cost=0.1)  # half a drafter step per stall event
+    assert pacer.rate == 0.5
+    times = [1e-3, 5.0, 1e-4, 0.3, 2.0, 1e-3]  # wildly varying step times change nothing
+    assert [pacer.plan("decode", 4, t, in_flight=0) for t in times] == [0, 1, 0, 1, 0, 1]
+    assert StallPacer(max_per_event=2, max_slowdown=0.5, step_cost=0.1).rate == 2.0  # capped per event
+    resumed = StallPacer(max_per_event=2, max_slowdown=0.05, step_cost=0.1)
+    pacer.plan("decode", 4, 1.0, in_flight=0)
+    resumed.load_state_dict(pacer.state_dict())
+    assert [resumed.plan("decode", 4, 1.0, 0) for _ in range(3)] == [pacer.plan("decode", 4, 9.0, 0) for _ in range(3)]
+    with pytest.raises(ValueError, match="step_cost"):
+        StallPacer(max_per_event=2, step_cost=0.0)
+    with pytest.raises(ValueError, match="drafter_step_cost"):
+        DrafterCoTrainConfig(drafter_step_cost=-1.0)
+    with pytest.raises(ValueError, match="tuner_draft_cost"):
+        SpeculativeConfig(method="suffix", tuner_draft_cost=-0.1)
+    engine = RolloutEngine(build_model("qwen2", "tiny", seed=0), max_seq_len=16, max_batch_size=2,
+                           speculative=SpeculativeConfig(method="suffix", deterministic=True, tuner_draft_cost=0.2))
+    assert engine.tuner is not None and engine.tuner.cost_model is not None
+    assert engine.tuner.cost_model(0, 3) == 1.0 and engine.tuner.cost_model(4, 3) == pytest.approx(1.8)
+
+
+def test_deterministic_kill_and_resume_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+    """Deterministic mode with the tuner and the pacing on: a run killed after step 2 and resumed ends with the
+    uninterrupted run's policy and drafter, bit for bit (the pacer's credit and the tuner's counts resume)."""
+    spec = SpeculativeConfig(method="suffix", threshold=8, hysteresis_steps=1, num_draft_tokens=None,
+                             draft_candidates=(2, 4), deterministic=True)
+
+    def run(max_steps: int, ckpt_dir: Path, ckpt_path: Path | None = None) -> tuple[GRPOModule, DrafterCoTrainCallback]:
+        module, data = make(speculative=spec)
+        cb = callback(max_decode_slowdown=0.05, drafter_step_cost=0.15, max_steps_per_event=2, deterministic=True)
+        ckpt = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=1, save_top_k=-1)
+        trainer(tmp_path, max_steps, [cb, ckpt], logger=False).fit(module, datamodule=data, ckpt_path=ckpt_path)
+        return module, cb
+
+    full_module, full_cb = run(4, tmp_path / "full")
+    run(2, tmp_path / "killed")
+    resumed_module, resumed_cb = run(4, tmp_path / "resumed", ckpt_path=tmp_path / "killed" / "last.ckpt")
+    assert resumed_cb.learner is not None and full_cb.learner is not None
+    assert resumed_cb.learner.steps_enqueued == full_cb.learner.steps_enqueued > 0
+    assert resumed_cb.pacer.state_dict() == full_cb.pacer.state_dict()
+    for name, value in _weights_of(full_module.policy).items():
+        assert torch.equal(resumed_module.policy.state_dict()[name], value), name
+    for name, value in _weights_of(full_cb.drafter).items():
+        assert torch.equal(resumed_cb.drafter.state_dict()[name], value), name

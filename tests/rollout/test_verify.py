@@ -7,8 +7,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_tlt.core.sampling import processed_probs
-from lightning_tlt.rollout.verify import acceptance_probs, residual_probs, verify_chain
+from lightning_tlt.core.sampling import (
+    NOISE_DRAFT,
+    NOISE_SAMPLE,
+    keyed_exponential,
+    processed_probs,
+    row_keys,
+    sample_keyed,
+    sample_with_noise,
+)
+from lightning_tlt.rollout.verify import acceptance_probs, residual_probs, verify_chain, verify_coupled
 
 ALPHA = 1e-3  # significance of every chi-square test below (fixed seeds: deterministic outcomes)
 
@@ -335,3 +343,113 @@ def test_draft_vocabulary_keeps_verification_exact() -> None:
     assert abs(out.num_accepted.float().mean() - rate) < 5 * sigma
     with pytest.raises(ValueError, match="draft_vocab needs draft_index"):
         verify_chain(vocab_ids[index], q_small.expand(n, 1, 4), p.expand(n, 2, 10), None, gen, draft_vocab=vocab_ids)
+
+
+# ------------------------------------------------------------------------- keyed noise, coupled verification
+def _keyed_sequences(
+    p_tab: torch.Tensor, q_tab: torch.Tensor | None, n: int, length: int, k: int, seed: int, mode: str
+) -> tuple[torch.Tensor, int]:
+    """Sequences of the toy chain by draft/verify steps on keyed noise, as the engine runs them.
+
+    ``mode``: "rejection" (`verify_chain`, drafts raced with their own `NOISE_DRAFT` numbers),
+    "coupled" (`verify_coupled`, drafts raced with the verifier's `NOISE_SAMPLE` numbers: the Gumbel
+    coupling) or "plain" (no drafts: one keyed race a token, as plain decoding). Returns the sequences
+    and the drafts accepted in all.
+    """
+    vocab = p_tab.shape[-1]
+    keys = torch.tensor(row_keys(seed, [[i] for i in range(n)]))
+    cols = torch.arange(vocab)
+    seq = torch.full((n, length + k + 2), vocab, dtype=torch.long)  # column 0: start symbol
+    lens = torch.zeros(n, dtype=torch.long)
+    rows = torch.arange(n)
+    accepted = 0
+    k = 0 if mode == "plain" else k
+    while bool((lens < length).any()):
+        active = lens < length
+        lens_now = lens.clamp_max(length - 1)
+        prev = seq[rows, lens_now]
+        drafts, dprobs, tprobs = [], [], []
+        for j in range(k):
+            tprobs.append(p_tab[lens_now + j, prev])
+            if q_tab is None:  # a deterministic drafter
+                d = p_tab[lens_now + j, prev].roll(1, -1).argmax(-1)
+            else:
+                qj = q_tab[lens_now + j, prev]
+                purpose = NOISE_SAMPLE if mode == "coupled" else NOISE_DRAFT
+                d = sample_with_noise(qj, keyed_exponential(keys, lens_now + j, purpose, cols))
+                dprobs.append(qj)
+            drafts.append(d)
+            prev = d
+        tprobs.append(p_tab[lens_now + k, prev])
+        draft_tokens = torch.stack(drafts, 1) if k else torch.zeros(n, 0, dtype=torch.long)
+        if mode == "coupled" or mode == "plain":
+            out = verify_coupled(draft_tokens, torch.stack(tprobs, 1), keys=keys, start=lens_now)
+        else:
+            out = verify_chain(draft_tokens, torch.stack(dprobs, 1) if q_tab is not None else None,
+                               torch.stack(tprobs, 1), keys=keys, start=lens_now)
+        accepted += int(out.num_accepted[active].sum())
+        for j in range(k + 1):
+            write = active & (j < out.num_emitted)
+            seq[rows[write], lens[write] + 1 + j] = out.tokens[write, j]
+        lens = torch.where(active, lens + out.num_emitted, lens)
+    return seq[:, 1 : length + 1], accepted
+
+
+@pytest.mark.parametrize(("mode", "drafter"), [("rejection", "random"), ("rejection", "argmax"),
+                                               ("coupled", "random"), ("coupled", "argmax")])
+def test_keyed_verification_matches_sequence_probabilities(mode: str, drafter: str) -> None:
+    """Chi-square losslessness of both verification rules on keyed noise (the engine's randomness)."""
+    vocab, length, k, n = 4, 3, 3, 40_000
+    p_tab, q_tab = _toy_tables(vocab, length + k + 2, seed=21)
+    seqs, accepted = _keyed_sequences(p_tab, q_tab if drafter == "random" else None, n, length, k, 23, mode)
+    assert accepted > n // 10  # drafts were often accepted: verification, not plain sampling, was tested
+    counts = torch.bincount(_sequence_index(seqs, vocab), minlength=vocab**length)
+    assert chi_square_pvalue(counts, _sequence_probs(p_tab, length)) > ALPHA
+
+
+@pytest.mark.parametrize("drafter", ["random", "argmax", "target"])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_coupled_verification_emits_the_plain_samplers_tokens(drafter: str, k: int) -> None:
+    """Same keys: coupled speculation gives plain keyed sampling's sequences exactly, whatever the drafts."""
+    vocab, length, n = 5, 6, 2_000
+    p_tab, q_tab = _toy_tables(vocab, length + k + 2, seed=31)
+    plain, _ = _keyed_sequences(p_tab, None, n, length, k, 7, "plain")
+    drafts = {"random": q_tab, "argmax": None, "target": p_tab}[drafter]
+    spec, accepted = _keyed_sequences(p_tab, drafts, n, length, k, 7, "coupled")
+    assert torch.equal(spec, plain)
+    if drafter == "target":  # q == p raced with the same numbers: every draft is the winner
+        assert accepted == n * k * -(-length // (k + 1))  # k accepted drafts in every step
+
+
+def test_coupled_acceptance_is_the_gumbel_couplings() -> None:
+    """One position, q != p: coupled accepts a q-raced draft with P(argmax q/E == argmax p/E), which lies in
+    [(1 - d) / (1 + d), 1 - d] for d the total variation; a deterministic draft with p(draft)."""
+    gen = torch.Generator().manual_seed(3)
+    p = processed_probs(random_logits((12,), gen), 1.0, top_k=9)
+    q = processed_probs(random_logits((12,), gen), 1.0, top_p=0.9)
+    n = 60_000
+    keys = torch.tensor(row_keys(4, [[i] for i in range(n)]))
+    start = torch.zeros(n, dtype=torch.long)
+    drafts = sample_keyed(q.expand(n, 12), keys, start)  # the verifier's own numbers at position 0
+    out = verify_coupled(drafts[:, None], p.expand(n, 2, 12), keys=keys, start=start)
+    assert chi_square_pvalue(torch.bincount(out.tokens[:, 0], minlength=12), p) > ALPHA
+    rate = out.num_accepted.float().mean()
+    d = 0.5 * (p - q).abs().sum()
+    assert (1 - d) / (1 + d) - 0.01 < rate < 1 - d + 0.01, (float(rate), float(d))
+    fixed = torch.full((n, 1), int(p.argmax()))
+    out = verify_coupled(fixed, p.expand(n, 2, 12), keys=keys, start=start)
+    sigma = (p.max() * (1 - p.max()) / n).sqrt()
+    assert abs(out.num_accepted.float().mean() - p.max()) < 5 * sigma
+
+
+def test_coupled_verification_shapes_and_ragged_drafts() -> None:
+    target = torch.tensor([[[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]]] * 2)  # one-hot: w = 1, 2, 0
+    drafts = torch.tensor([[1, 2], [1, 2]])
+    out = verify_coupled(drafts, target, torch.tensor([2, 1]), noise=torch.ones(2, 3, 3), pad_token_id=-1)
+    assert out.num_accepted.tolist() == [2, 1]
+    assert out.tokens.tolist() == [[1, 2, 0], [1, 2, -1]]  # row 1: draft 1 is past its length, w emitted
+    assert torch.all(out.logprobs == 0)
+    with pytest.raises(ValueError, match="keys and start"):
+        verify_coupled(drafts, target)
+    with pytest.raises(ValueError, match="target_probs"):
+        verify_coupled(drafts, target[:, :2])
