@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from _common import ROOT, write_results
+
 GIB = 1024**3
 
 
@@ -137,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rollout-tp", type=int, default=1, help="rollouts tensor-parallel over this many ranks (vLLM)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "memory_model.json"))
     args = p.parse_args(argv)
-    out = Path(args.out)
+    out = args.out
     del args.out
     results = model(args)
     parts = list(next(iter(results["per_rank"].values()))["parts_gib"])
@@ -147,9 +146,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, row in results["per_rank"].items():
         print(f"{name:>7} {row['params'] / 1e9:7.2f}B " + " ".join(f"{row['parts_gib'][k]:14.2f}" for k in parts)
               + f" {row['total_gib']:8.1f}  {'yes' if row['fits'] else 'NO'}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    print(f"wrote {out}")
+    write_results(results, "memory_model", smoke=False, cuda=False, out=out)
     return results
 
 
