@@ -44,7 +44,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_tlt.core.runner import unwrap_model
-from lightning_tlt.core.types import StepEvent, mixed_precision_dtype
+from lightning_tlt.core.types import DrafterHost, StepEvent, mixed_precision_dtype
+from lightning_tlt.data.datamodule import RolloutDataModule
 from lightning_tlt.drafters.buffer import FeatureReplayBuffer
 from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.drafters.loss import expected_acceptance_length
@@ -156,23 +157,14 @@ class DrafterCoTrainConfig(DrafterTrainConfig):
                 )
 
 
-def publish_drafter(engine: Any, drafter: EagleDrafter, version: int) -> EagleDrafter | None:
+def publish_drafter(engine: DrafterHost, drafter: EagleDrafter, version: int) -> EagleDrafter | None:
     """Publish ``drafter``'s weights to ``engine`` as ``version``; returns the engine's drafter.
 
-    Engines with ``set_drafter`` (`lightning_tlt.rollout.engine.RolloutEngine`) refuse non-finite
-    weights and copy in place where they can; others get ``drafter``/``drafter_version`` set.
+    The engine refuses non-finite weights (keeping what it drafts with) and copies in place where it
+    can (`lightning_tlt.core.types.DrafterHost.set_drafter`).
     """
-    if hasattr(engine, "set_drafter"):
-        engine.set_drafter(drafter, version)
-        return cast(EagleDrafter | None, engine.drafter)
-    current = getattr(engine, "drafter", None)
-    if isinstance(current, EagleDrafter) and current is not drafter and current.same_layout(drafter):
-        current.copy_weights_from(drafter)
-    else:
-        current = drafter.inference_copy()
-        engine.drafter = current
-    engine.drafter_version = int(version)
-    return current
+    engine.set_drafter(drafter, version)
+    return cast(EagleDrafter | None, engine.drafter)
 
 
 def _weights(module: torch.nn.Module | None) -> dict[str, torch.Tensor] | None:
@@ -206,7 +198,7 @@ class DrafterCoTrainCallback(Callback):
         config: DrafterCoTrainConfig | None = None,
         *,
         drafter: EagleDrafter | None = None,
-        engine: Any | None = None,
+        engine: DrafterHost | None = None,
         **overrides: Any,
     ) -> None:
         super().__init__()
@@ -235,7 +227,7 @@ class DrafterCoTrainCallback(Callback):
         self._eval_ready: tuple[float, float] | None = None  # an evaluation read early (at a checkpoint)
         self._last_eval_step = 0  # the RL step whose weights the last queued evaluation measures
         self._warm_started = cfg.warm_start == "none"
-        self._listening_to: Any = None
+        self._listening_to: RolloutDataModule | DrafterHost | None = None
         self._trainer: pl.Trainer | None = None
         self._pending_state: dict[str, Any] | None = None
         self._window = _Window()
@@ -299,35 +291,41 @@ class DrafterCoTrainCallback(Callback):
         elif self._warm_started and not self._model_free(engine):
             self.published = publish_drafter(engine, drafter, self.version)  # version 0: cold
             self._published_updates = self.learner.applied_updates if self.learner is not None else 0
-        if self.published is None and self._model_free(engine) and hasattr(engine, "stage_drafter"):
+        if self.published is None and self._model_free(engine):
             engine.stage_drafter(drafter)  # its steps compile in the first rollout's warm-up, not at the hand-over
         if self.learner is not None and self.buffer.num_train:  # resumed with data: capture now, not in a stall
             self.learner.prepare()
         self._listen(trainer, engine)
 
-    def _model_free(self, engine: Any) -> bool:
+    def _model_free(self, engine: DrafterHost) -> bool:
         """Whether the engine drafts with a model-free drafter that the EAGLE drafter must beat first."""
-        current = getattr(engine, "drafter", None)
+        current = engine.drafter
         return self.config.handoff_margin is not None and current is not None and not isinstance(current, EagleDrafter)
 
-    def engine(self, trainer: pl.Trainer | None = None) -> Any:
+    def engine(self, trainer: pl.Trainer | None = None) -> DrafterHost:
         """The engine this callback publishes to (the given one, else ``trainer.datamodule.engine``)."""
         if self._engine is not None:
+            if not isinstance(self._engine, DrafterHost):
+                raise TypeError(f"DrafterCoTrainCallback publishes to a DrafterHost (lightning_tlt.core.types); "
+                                f"{type(self._engine).__name__} is not one")  # fmt: skip
             return self._engine
         trainer = trainer or self._trainer
         datamodule = getattr(trainer, "datamodule", None)
-        engine = getattr(datamodule, "engine", None)
-        if engine is None:
+        if not isinstance(datamodule, RolloutDataModule):
             raise ValueError(
-                "DrafterCoTrainCallback needs an engine: pass engine=... or fit with a RolloutDataModule"
+                "DrafterCoTrainCallback needs an engine: pass engine=... or fit with a RolloutDataModule, "
+                f"got datamodule {type(datamodule).__name__}"
             )
-        return engine
+        return datamodule.drafter_host()
 
-    def _listen(self, trainer: pl.Trainer, engine: Any) -> None:
+    def _listen(self, trainer: pl.Trainer, engine: DrafterHost) -> None:
         if self._listening_to is not None:
             return
+        # the datamodule's listeners follow its engine when it is rebuilt; an engine given directly is the host
         datamodule = getattr(trainer, "datamodule", None)
-        host: Any = datamodule if self._engine is None and hasattr(datamodule, "add_listener") else engine
+        host: RolloutDataModule | DrafterHost = (
+            datamodule if self._engine is None and isinstance(datamodule, RolloutDataModule) else engine
+        )
         host.add_listener(self.on_step_event)
         self._listening_to = host
 
@@ -462,7 +460,7 @@ class DrafterCoTrainCallback(Callback):
         evaluated = self._eval_ready or learner.take_evaluation()
         self._eval_ready = None
         engine = self.engine(trainer)
-        measured = float((getattr(engine, "last_stats", None) or {}).get("spec/acceptance_length", 1.0))
+        measured = float(engine.last_stats.get("spec/acceptance_length", 1.0))
         # the weights changed only through an applied update: skipped (non-finite) steps publish no new version
         changed = self.published is None or learner.applied_updates != self._published_updates
         measured, heldout, changed = self._agree(trainer, measured if measured == measured else 1.0, evaluated, changed)
@@ -471,9 +469,9 @@ class DrafterCoTrainCallback(Callback):
             self.evaluations.append((self._last_eval_step, *heldout))
         published = self._maybe_publish(engine, measured, changed)
         stats = learner.take_stats()  # before the evaluation is queued: reading it then would wait for it
-        vocab = getattr(engine, "draft_vocab_ids", None)
+        vocab = engine.draft_vocab_ids()
         if vocab is not None:  # the rows the next rollout drafts from: the loss compares those only
-            learner.set_vocabulary(vocab())
+            learner.set_vocabulary(vocab)
         if self.buffer.num_train:
             learner.prepare()  # the graph capture synchronizes: here, not in a stall
         learner.resume_after_main()  # later drafter steps see this boundary's buffer and weights
@@ -505,7 +503,7 @@ class DrafterCoTrainCallback(Callback):
         rates = None if total[3] == 0 else (total[1] / total[3], total[2] / total[3])
         return total[0] / world, rates, total[4] > 0
 
-    def _maybe_publish(self, engine: Any, measured: float, changed: bool) -> bool:
+    def _maybe_publish(self, engine: DrafterHost, measured: float, changed: bool) -> bool:
         assert self.drafter is not None
         cfg = self.config
         if not self._warm_started or self.rl_steps % cfg.publish_every_n_steps or not changed:
@@ -522,7 +520,7 @@ class DrafterCoTrainCallback(Callback):
         self._publish(engine, self.drafter)
         return True
 
-    def _publish(self, engine: Any, drafter: EagleDrafter) -> None:
+    def _publish(self, engine: DrafterHost, drafter: EagleDrafter) -> None:
         assert self.learner is not None
         self.version += 1
         self.publications += 1
@@ -530,7 +528,7 @@ class DrafterCoTrainCallback(Callback):
         self._published_updates = self.learner.applied_updates
 
     def _log(
-        self, pl_module: pl.LightningModule, engine: Any, heldout: tuple[float, float] | None, published: bool,
+        self, pl_module: pl.LightningModule, engine: DrafterHost, heldout: tuple[float, float] | None, published: bool,
         stats: dict[str, float],
     ) -> None:
         assert self.learner is not None
@@ -555,7 +553,7 @@ class DrafterCoTrainCallback(Callback):
             "drafter/published": float(published),
             "drafter/buffer_sequences": float(len(self.buffer)),
             "drafter/buffer_tokens": float(self.buffer.num_tokens),
-            "drafter/eagle_drafting": float(isinstance(getattr(engine, "drafter", None), EagleDrafter)),
+            "drafter/eagle_drafting": float(isinstance(engine.drafter, EagleDrafter)),
         }
         if stats["applied"] > 0:
             for key in ("loss", "feature_loss", "token_loss", "top1_accuracy", "accept_rate"):

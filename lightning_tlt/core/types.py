@@ -24,6 +24,7 @@ __all__ = [
     "StepEvent",
     "StepListener",
     "RolloutBackend",
+    "DrafterHost",
     "SpecMethod",
     "Verification",
     "SpeculativeConfig",
@@ -148,6 +149,39 @@ class RolloutBackend(Protocol):
     def adaptive_state_dict(self) -> dict[str, Any]: ...
 
     def load_adaptive_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class DrafterHost(Protocol):
+    """What a drafter's trainer may ask of a rollout backend that drafts (the co-training callback's
+    contract): `RolloutEngine` (native) and ``VLLMRolloutEngine`` both are one.
+
+    ``drafter`` is what speculation drafts with now, ``drafter_version`` the version last published.
+    ``set_drafter`` publishes a drafter's weights (a training drafter is copied, never held; a drafter
+    whose weights are not all finite is refused and ``False`` returned); ``stage_drafter`` gets ready
+    for one that will be published later (a backend with nothing to prepare does nothing). The
+    listeners receive every decode step's `StepEvent`; ``last_stats`` are the figures of the last
+    ``generate``; ``draft_vocab_ids()`` the draft vocabulary a drafter's head is restricted to, or ``None``.
+    """
+
+    @property
+    def drafter(self) -> Any: ...
+
+    @property
+    def drafter_version(self) -> int: ...
+
+    @property
+    def last_stats(self) -> dict[str, float]: ...
+
+    def draft_vocab_ids(self) -> torch.Tensor | None: ...
+
+    def set_drafter(self, drafter: Any, version: int | None = None) -> bool: ...
+
+    def stage_drafter(self, drafter: Any) -> None: ...
+
+    def add_listener(self, fn: StepListener) -> None: ...
+
+    def remove_listener(self, fn: StepListener) -> None: ...
 
 
 SpecMethod = Literal["eagle", "suffix", "none"]

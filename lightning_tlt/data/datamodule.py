@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_tlt.core.types import (
+    DrafterHost,
     RolloutBackend,
     RolloutOutput,
     SamplingConfig,
@@ -326,6 +327,15 @@ class RolloutDataModule(pl.LightningDataModule):
                 self._engine.load_adaptive_state_dict(self._adaptive_state)
                 self._adaptive_state = None
         return self._engine
+
+    def drafter_host(self) -> DrafterHost:
+        """The engine, as what a drafter's trainer publishes to (`lightning_tlt.core.types.DrafterHost`);
+        a clear error when the backend cannot take a drafter."""
+        engine = self.engine
+        if not isinstance(engine, DrafterHost):
+            raise TypeError(f"RolloutDataModule's engine {type(engine).__name__} ({self.engine_kind!r}) cannot take a "
+                            "drafter: it is not a DrafterHost")  # fmt: skip
+        return engine
 
     def add_listener(self, fn: StepListener) -> None:
         """Attach ``fn`` to the engine's `StepEvent` s (now, or when the engine is created)."""

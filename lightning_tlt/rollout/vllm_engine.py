@@ -423,25 +423,48 @@ class VLLMRolloutEngine:
 
     @property
     def drafter(self) -> nn.Module | None:
-        """The last drafter published with the `drafter_version` protocol of
-        `lightning_tlt.callbacks.drafter_cotrain.publish_drafter` (``None`` before)."""
+        """The drafter last published with `set_drafter` (``None`` before): a frozen copy whose
+        weights are the ones vLLM's draft model holds."""
         return self._drafter
-
-    @drafter.setter
-    def drafter(self, value: nn.Module | None) -> None:
-        self._drafter = value
 
     @property
     def drafter_version(self) -> int:
-        """Version of the drafter in vLLM. Setting it publishes `drafter`'s current weights to vLLM
-        (``publish_drafter`` sets ``engine.drafter`` or updates it in place, then the version)."""
+        """Version of the drafter in vLLM (`set_drafter`'s, or one more for each `update_drafter_weights`)."""
         return self._drafter_version
 
-    @drafter_version.setter
-    def drafter_version(self, version: int) -> None:
-        if self._drafter is not None:
-            self.update_drafter_weights(self._drafter)
-        self._drafter_version = int(version)
+    def draft_vocab_ids(self) -> Tensor | None:
+        """vLLM's EAGLE drafts over the whole vocabulary: ``None``."""
+        return None
+
+    def set_drafter(self, drafter: Any, version: int | None = None) -> bool:
+        """Publish an `EagleDrafter`'s weights to vLLM's draft model (`lightning_tlt.core.types.DrafterHost`).
+
+        A drafter whose weights are not all finite is refused with a warning and ``False``. The
+        weights are copied into the engine's own frozen copy (made on the first call), which is then
+        pushed (`update_drafter_weights`); ``version`` is recorded (``None``: one more).
+        """
+        from lightning_tlt.drafters.eagle import EagleDrafter
+
+        if not isinstance(drafter, EagleDrafter):
+            raise TypeError(f"set_drafter takes an EagleDrafter, got {type(drafter).__name__}")
+        bad = [name for name, t in drafter.state_dict().items() if not bool(torch.isfinite(t).all())]
+        if bad:
+            warnings.warn(f"refusing to publish a drafter with non-finite weights ({', '.join(bad[:3])}); vLLM keeps "
+                          f"drafter version {self._drafter_version}", stacklevel=2)  # fmt: skip
+            return False
+        current = self._drafter
+        if isinstance(current, EagleDrafter) and current is not drafter and current.same_layout(drafter):
+            current.copy_weights_from(drafter)
+        else:
+            current = drafter.inference_copy()
+            self._drafter = current
+        before = self._drafter_version
+        self.update_drafter_weights(current)
+        self._drafter_version = before + 1 if version is None else int(version)
+        return True
+
+    def stage_drafter(self, drafter: Any) -> None:
+        """Nothing to prepare: vLLM's draft model is loaded with the engine (``speculative_config``)."""
 
     def adaptive_state_dict(self) -> dict[str, Any]:
         """The native engine's checkpoint hook: empty here, vLLM's speculation keeps no state worth resuming

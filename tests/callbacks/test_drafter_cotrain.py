@@ -244,11 +244,7 @@ def test_max_decode_slowdown_is_validated() -> None:
 def test_publish_copies_in_place_with_version() -> None:
     policy = build_model("qwen2", "tiny", seed=0)
 
-    class Engine:
-        drafter = None
-        drafter_version = -1
-
-    engine = Engine()
+    engine = RolloutEngine(policy, max_seq_len=32, max_batch_size=2, speculative=SpeculativeConfig(method="suffix"))
     trained = EagleDrafter.from_target(policy, generator=torch.Generator().manual_seed(0))
     first = publish_drafter(engine, trained, 1)
     assert engine.drafter is first and first is not trained and engine.drafter_version == 1
@@ -613,11 +609,8 @@ def test_bf16_policy_trains_float32_master_and_publishes_bf16() -> None:
         after = float(cb.learner.loss(drafter, batch).loss)
     assert after < before and cb.learner.skipped_nonfinite == 0
 
-    class Engine:
-        drafter = None
-        drafter_version = 0
-
-    published = publish_drafter(Engine(), drafter, 1)
+    engine = RolloutEngine(policy, max_seq_len=32, max_batch_size=2, speculative=SpeculativeConfig(method="suffix"))
+    published = publish_drafter(engine, drafter, 1)
     assert published.fc.weight.dtype == torch.bfloat16  # the engine drafts in the policy's dtype
     torch.testing.assert_close(published.fc.weight.float(), drafter.fc.weight, atol=1e-2, rtol=1e-2)
 
@@ -644,6 +637,24 @@ def test_a_checkpoint_of_another_format_is_refused_before_any_state_is_touched()
     with pytest.raises(ValueError, match=r"FeatureReplayBuffer: a state of format None"):
         buffer.load_state_dict({"generator": torch.Generator().get_state(), "added": 40})
     assert buffer.summary()["added"] == 0
+
+
+def test_the_callback_publishes_only_to_a_drafter_host(tmp_path: Path) -> None:
+    from lightning_tlt.core.types import DrafterHost
+
+    policy = build_model("qwen2", "tiny", seed=0)
+    native = RolloutEngine(policy, max_seq_len=32, max_batch_size=2, speculative=SpeculativeConfig(method="suffix"))
+    assert isinstance(native, DrafterHost) and DrafterCoTrainCallback(engine=native).engine() is native
+    with pytest.raises(TypeError, match="publishes to a DrafterHost .* object is not one"):
+        DrafterCoTrainCallback(engine=object()).engine()  # type: ignore[arg-type]
+
+    class Plain(pl.LightningDataModule):
+        pass
+
+    trainer = pl.Trainer(default_root_dir=tmp_path, logger=False, enable_checkpointing=False)
+    trainer.datamodule = Plain()  # type: ignore[misc]
+    with pytest.raises(ValueError, match="fit with a RolloutDataModule, got datamodule Plain"):
+        DrafterCoTrainCallback().engine(trainer)
 
 
 def test_bf16_mixed_trainer_cotrains_in_bf16(tmp_path: Path) -> None:

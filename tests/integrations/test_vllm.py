@@ -252,6 +252,35 @@ def test_the_vllm_backend_checks_positions_and_stop_ids_as_the_native_engine_doe
         engine._validate([[1, 2]], SamplingConfig(max_new_tokens=4, stop_token_ids=[128]), 1)
 
 
+def test_the_vllm_backend_is_a_drafter_host_that_refuses_a_non_finite_drafter(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_tlt.core.types import DrafterHost
+    from lightning_tlt.drafters.eagle import EagleDrafter
+    from lightning_tlt.rollout.vllm_engine import VLLMRolloutEngine
+
+    engine = object.__new__(VLLMRolloutEngine)  # the publishing only: the push to vLLM is recorded
+    engine._drafter, engine._drafter_version, engine.last_stats = None, 0, {}
+    pushed: list[EagleDrafter] = []
+    monkeypatch.setattr(engine, "update_drafter_weights", lambda d: pushed.append(d) or 1)
+    assert isinstance(engine, DrafterHost) and engine.draft_vocab_ids() is None
+    target = build_model("qwen2", "tiny", seed=0)
+    drafter = EagleDrafter.from_target(target, generator=torch.Generator().manual_seed(3))
+    assert engine.set_drafter(drafter, 7) and engine.drafter_version == 7
+    copy = engine.drafter
+    assert isinstance(copy, EagleDrafter) and copy is not drafter and pushed == [copy]  # a frozen copy is pushed
+    assert not any(p.requires_grad for p in copy.parameters())
+    with torch.no_grad():
+        drafter.fc.weight[0, 0] = float("nan")
+    with pytest.warns(UserWarning, match=r"refusing to publish a drafter with non-finite weights \(fc.weight"):
+        assert not engine.set_drafter(drafter)
+    assert engine.drafter_version == 7 and len(pushed) == 1 and bool(torch.isfinite(copy.fc.weight).all())
+    with torch.no_grad():
+        drafter.fc.weight[0, 0] = 0.5
+    assert engine.set_drafter(drafter) and engine.drafter_version == 8 and engine.drafter is copy  # copied in place
+    assert copy.fc.weight[0, 0].item() == 0.5
+    with pytest.raises(TypeError, match="set_drafter takes an EagleDrafter, got str"):
+        engine.set_drafter("drafter")
+
+
 def test_missing_vllm_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
     with pytest.raises(ImportError, match=r"pip install lightning-tlt\[vllm\]"):
