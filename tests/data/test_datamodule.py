@@ -137,7 +137,7 @@ def test_nonfinite_rewards_follow_the_error_policy(policy: torch.nn.Module, bad:
 
 
 def test_bad_configuration_errors(policy: torch.nn.Module) -> None:
-    with pytest.raises(ValueError, match=r"needs a 'prompt' column .* got columns \['question', 'answer'\]"):
+    with pytest.raises(ValueError, match=r"has no 'prompt' column .* its columns are \['question', 'answer'\]"):
         make(policy, [length_reward], dataset=[{"question": "x", "answer": "1"}])
     with pytest.raises(ValueError, match="reward_weights needs one weight per reward function"):
         make(policy, [length_reward], reward_weights=[1.0, 2.0])
