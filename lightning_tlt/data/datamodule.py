@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -98,7 +99,8 @@ class RolloutDataModule(pl.LightningDataModule):
             of ``dataset`` when given, else a task's test split (a file or directory: no validation).
         split: the split of a ``save_to_disk``/hub/data-file directory to train on.
         eval_split: the split of ``dataset`` to validate on when ``eval_dataset`` is ``None``.
-        tokenizer: an HF tokenizer or a directory to load one from; ``None`` builds the kit's.
+        tokenizer: an HF tokenizer or a directory to load one from; ``None`` takes the one saved with a policy
+            loaded from an HF directory (``policy.path``, its chat template included), else builds the kit's.
         num_generations: completions per prompt; ``None`` takes the RL module's.
         prompts_per_step: prompts per training step (TRL's ``generation_batch_size / num_generations``).
         sampling: how to sample; ``None`` takes the RL module's (temperature, top-p/k, max length).
@@ -225,7 +227,7 @@ class RolloutDataModule(pl.LightningDataModule):
             self._check_context(self._policy)
 
     def _load_all(self) -> None:
-        self.tokenizer = _load_tokenizer(self._tokenizer_arg)
+        self.tokenizer = _load_tokenizer(self._tokenizer_arg, self._policy)
         self.train_data, task = self._load(self._dataset_arg, split="train", size=self.task_size)
         if self._eval_arg is not None:
             self.eval_data, _ = self._load(self._eval_arg, split="test", size=self.eval_size)
@@ -570,9 +572,16 @@ def _module_settings(module: Any) -> RolloutSettings | None:
     return module.rollout_settings() if isinstance(module, RolloutSettingsSource) else None
 
 
-def _load_tokenizer(arg: Any) -> Any:
+def _load_tokenizer(arg: Any, policy: torch.nn.Module | None = None) -> Any:
+    """``arg`` (a tokenizer, or a directory to load one from); ``None``: the tokenizer saved beside a policy loaded
+    from an HF directory (``policy.path``), else the kit's own."""
     if arg is None:
         from lightning_tlt.models.tokenizer import build_tokenizer
+
+        source = str(getattr(getattr(policy, "config", None), "_name_or_path", "") or "")
+        if source and (Path(source) / "tokenizer_config.json").is_file():
+            arg = source
+    if arg is None:
 
         return build_tokenizer()
     if isinstance(arg, str):
