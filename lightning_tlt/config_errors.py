@@ -127,7 +127,9 @@ def summarize(text: str, options: Iterable[str] = ()) -> ConfigError:
     option = re.match(r"^Option '(\w+)' is not accepted$", message)
     if option:
         keys.append(option.group(1))
-        message = "not an option of this class (see --help)"
+        paths = [m.group(1) for line in lines[:leaf] if (m := re.search(r"class_path '([\w.]+)'", line))]
+        close = difflib.get_close_matches(option.group(1), _parameters(paths[-1]) if paths else [], n=1)
+        message = f"unknown option (did you mean {close[0]}?)" if close else "unknown option (see --help)"
     field = _FIELD.match(message) or _FIELD.match(message.split(": ", 1)[-1])  # "<task>: difficulty must ..."
     if field and (not keys or keys[-1].split(".")[-1] != field.group(1)):
         keys.append(field.group(1))
@@ -136,6 +138,19 @@ def summarize(text: str, options: Iterable[str] = ()) -> ConfigError:
     if key.startswith("model.") and not key.startswith("model.init_args") and key != "model.class_path":
         key = "model.init_args." + key[len("model."):]
     return ConfigError(key, message)
+
+
+def _parameters(class_path: str) -> list[str]:
+    """The ``__init__`` parameters of the class ``class_path`` names (its fields, for a dataclass)."""
+    import importlib
+    import inspect
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        return [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return []
 
 
 def _names_dataclass(line: str) -> bool:

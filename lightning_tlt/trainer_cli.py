@@ -154,7 +154,7 @@ def check_devices(config: Any, cuda_available: bool | None = None, command_line:
     if on_command_line:
         raise ConfigError(key, f"{no_gpu}, but the command line asks for one (--{key} {value}); leave it out or "
                                f"give --{key} cpu")
-    asks = ", ".join(f"{k.split('.')[-2] if k.endswith('device') else k}={v}" for k, v, _ in wants)
+    asks = ", ".join(f"{'.'.join(k.split('.')[-2:]) if k.endswith('device') else k}={v}" for k, v, _ in wants)
     raise ConfigError(
         key, f"{no_gpu}, but {_config_name(config)} asks for one ({asks}); on a CPU run {' or '.join(CPU_CONFIGS)}"
     )
