@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import csv
+import os
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -16,7 +18,8 @@ from lightning_tlt import cli
 from lightning_tlt.cli import SUBCOMMANDS, main
 from lightning_tlt.trainer_cli import CPU_CONFIGS
 
-CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+ROOT = Path(__file__).parent.parent
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 
 def tiny_config(tmp_path: Path, **model_config: object) -> Path:
@@ -76,12 +79,53 @@ def test_bad_yaml_configuration_is_a_clear_error(tmp_path: Path, capsys: pytest.
         "'dapo', got ppo")
 
 
-def test_helper_subcommands_dispatch_before_lightningcli(capsys: pytest.CaptureFixture[str]) -> None:
+def test_helper_subcommands_dispatch_before_lightningcli(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("LIGHTNING_TLT_CACHE", str(tmp_path))
     assert list(SUBCOMMANDS) == ["fit", "validate", "warmstart", "export-drafter", "train-drafter"]
-    with pytest.raises(SystemExit) as exit_info:
-        main(["warmstart", "--help"])
-    assert exit_info.value.code == 0
+    assert main(["warmstart", "--help"]) == 0
     assert "lightning-tlt warmstart" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["fit", "warmstart", "export-drafter", "train-drafter"])
+def test_help_is_cached_fast_and_shows_defaults(tmp_path: Path, command: str) -> None:
+    env = {**os.environ, "LIGHTNING_TLT_CACHE": str(tmp_path), "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
+    argv = [sys.executable, "-m", "lightning_tlt.cli", command, "--help"]
+    first = subprocess.run(argv, capture_output=True, text=True, env=env, check=True).stdout
+    start = time.perf_counter()
+    again = subprocess.run(argv, capture_output=True, text=True, env=env, check=True).stdout
+    seconds = time.perf_counter() - start
+    assert again == first and f"lightning-tlt {'[options] ' if command == 'fit' else ''}{command}" in first
+    assert seconds < 2.0, f"{command} --help took {seconds:.2f} s from the cache"
+    assert "(default: " in first or "default: " in first  # argparse: "(default: x)"; jsonargparse: "(type: ..., default: x)"
+    expected = {"fit": "--trainer.max_steps MAX_STEPS", "warmstart": "--batch_size BATCH_SIZE, --batch-size",
+                "export-drafter": "--out_dir OUT_DIR, --out-dir OUT_DIR", "train-drafter": "--out_dir OUT_DIR, --out-dir"}
+    assert expected[command] in first  # one option style: underscores, as LightningCLI's (hyphens accepted)
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["warmstart", "--task", "countdwn"], "lightning-tlt warmstart: error: --task/--difficulty: unknown task "
+         "'countdwn'; registered tasks: ['arithmetic', 'countdown', 'countdown_search']"),
+        (["warmstart", "--batch", "3"], "lightning-tlt warmstart: error: --batch: unknown option (options are not "
+         "abbreviated; see --help)"),
+        (["export-drafter", "--checkpoint-path", "none.ckpt", "--out_dir", "d"],
+         "lightning-tlt export-drafter: error: no checkpoint at 'none.ckpt'"),
+        (["train-drafter", "--out_dir", "d", "--difficulty", "9"], "lightning-tlt train-drafter: error: "
+         "--task/--difficulty: arithmetic: difficulty must be an int in [1, 5], got 9"),
+    ],
+)
+def test_helper_subcommand_errors_are_one_line(
+    argv: list[str], line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        code = main(argv)
+    except SystemExit as exit_info:  # argparse's own checks exit; the commands' checks return
+        code = int(exit_info.code or 0)
+    assert code == 2
+    assert capsys.readouterr().err.strip() == line  # no usage block: --help has it
 
 
 def test_help_is_one_plain_usage_block_and_imports_nothing_heavy() -> None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl

@@ -14,8 +14,6 @@ or ``EagleDrafter.from_pretrained(out_dir, policy)``. A non-empty ``out_dir`` is
 
 from __future__ import annotations
 
-import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -25,7 +23,8 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_tlt.drafters.eagle import write_eagle_dir
+from lightning_tlt.cli_options import OptionParser
+from lightning_tlt.drafters.eagle import process_umask, write_eagle_dir
 
 Which = Literal["published", "trained"]
 
@@ -65,13 +64,6 @@ def _nonfinite(weights: Mapping[str, Any]) -> dict[str, int]:
             if bad:
                 counts[name] = bad
     return counts
-
-
-def _umask() -> int:
-    """The process umask (read by setting it and putting it back)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
 
 
 def export_drafter(
@@ -135,7 +127,7 @@ def export_drafter(
         write_eagle_dir(staging, state["drafter_config"], weights, state.get("feature_layers"))
         # ordinary permissions, as open() and mkdir() give (0644 and 0755 under umask 022): safetensors writes
         # 0600 and mkdtemp 0700, and an exported model is meant to be read by others (a vLLM server's user)
-        umask = _umask()
+        umask = process_umask()
         for path in staging.iterdir():
             path.chmod(0o666 & ~umask)
         staging.chmod(0o777 & ~umask)
@@ -149,19 +141,18 @@ def export_drafter(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``lightning-tlt export-drafter --checkpoint_path CKPT --out_dir DIR [--which ...] [--overwrite] [--allow_nonfinite]``."""
-    parser = argparse.ArgumentParser(
-        prog="lightning-tlt export-drafter",
-        description="Write the drafter co-trained in a Lightning run (DrafterCoTrainCallback) as a vLLM EAGLE draft "
-        "directory (config.json, model.safetensors).",
+    parser = OptionParser(
+        "lightning-tlt export-drafter",
+        "Write the drafter co-trained in a Lightning run (DrafterCoTrainCallback) as a vLLM EAGLE draft directory "
+        "(config.json, model.safetensors).",
     )
-    parser.add_argument("--checkpoint_path", "--checkpoint-path", required=True,
-                        help="a Lightning .ckpt of a run with DrafterCoTrainCallback")
-    parser.add_argument("--out_dir", "--out-dir", required=True, help="directory to write the EAGLE draft to")
-    parser.add_argument("--which", choices=["published", "trained"], default="published",
-                        help="the copy the engine last drafted with (published) or the training copy (trained)")
-    parser.add_argument("--overwrite", action="store_true", help="replace out_dir if it is not empty")
-    parser.add_argument("--allow_nonfinite", "--allow-nonfinite", action="store_true",
-                        help="export weights that hold NaN or inf (a diverged drafter)")
+    parser.add_option("checkpoint_path", required=True, help="a Lightning .ckpt of a run with DrafterCoTrainCallback")
+    parser.add_option("out_dir", required=True, help="directory to write the EAGLE draft to")
+    parser.add_option("which", choices=["published", "trained"], default="published",
+                      help="the copy the engine last drafted with (published) or the training copy (trained)")
+    parser.add_option("overwrite", action="store_true", help="replace out_dir if it is not empty")
+    parser.add_option("allow_nonfinite", action="store_true",
+                      help="export weights that hold NaN or inf (a diverged drafter)")
     args = parser.parse_args(argv)
     try:
         path = export_drafter(args.checkpoint_path, args.out_dir, which=args.which, overwrite=args.overwrite,
