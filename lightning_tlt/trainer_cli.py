@@ -8,8 +8,10 @@ late: a GPU config on a machine without a GPU, an unknown task name or difficult
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import warnings
 from argparse import ArgumentError
 from typing import Any
 
@@ -183,6 +185,28 @@ def check_model(model: Any) -> None:
                 raise ConfigError(f"model.init_args.config.{name}", str(err)) from None
 
 
+NOISE_WARNINGS = (
+    r".*isinstance\(treespec, LeafSpec\)",  # torch's deprecation, raised inside Lightning, every run
+    r"Your `IterableDataset` has `__len__` defined",  # the rollout stream runs in the main process only
+)
+"""Warnings that every ``lightning-tlt fit`` would print and that say nothing about the user's run."""
+
+
+class _NoTips(logging.Filter):
+    """Drops Lightning's advertisements ("💡 Tip: ... try installing litlogger") from the console."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip")
+
+
+def _quiet_known_noise() -> None:
+    for message in NOISE_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _NoTips) for f in rank_zero_logger.filters):
+        rank_zero_logger.addFilter(_NoTips())
+
+
 def run(argv: list[str]) -> int:
     """``lightning-tlt fit|validate ...``: run LightningCLI on ``argv`` (subcommand first).
 
@@ -190,6 +214,7 @@ def run(argv: list[str]) -> int:
     its traceback instead. Options are never abbreviated, and ``--opt -1e-4`` reads ``-1e-4`` as the value.
     """
     debug = "--debug" in argv
+    _quiet_known_noise()
     argv = negative_numbers_as_values([a for a in argv if a != "--debug"])
     try:
         check_yaml_files(argv)

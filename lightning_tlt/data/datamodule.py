@@ -128,7 +128,7 @@ class RolloutDataModule(pl.LightningDataModule):
     def __init__(
         self,
         dataset: Any = "arithmetic",
-        reward_funcs: Sequence[RewardFunc | str] | None = None,
+        reward_funcs: Sequence[str | RewardFunc] | None = None,
         *,
         eval_dataset: Any = None,
         split: str = "train",
