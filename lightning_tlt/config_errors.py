@@ -14,6 +14,8 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from lightning_tlt.core.cli_options import option_error
+
 _NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 _PARSER_KEY = re.compile(r'^\s*(?:- )?Parser key "([^"]+)":')
 _CLASS = re.compile(r"<class '(?:[\w.]+\.)?(\w+)'>")
@@ -87,15 +89,9 @@ def summarize(text: str, options: Iterable[str] = ()) -> ConfigError:
         options: the parser's option strings, to suggest one for an unrecognized argument.
     """
     text = text.strip()
-    unknown = re.match(r"unrecognized arguments: (\S+)", text)
-    if unknown:
-        flag = unknown.group(1).split("=")[0]
-        close = difflib.get_close_matches(flag, list(options), n=1, cutoff=0.8)
-        hint = f" (did you mean {close[0]}?)" if close else " (options are not abbreviated; see --help)"
-        return ConfigError(flag, f"unknown option{hint}")
-    expected_one = re.match(r"argument (--\S+): expected one argument", text)
-    if expected_one:
-        return ConfigError(expected_one.group(1), "expected a value after it")
+    found = option_error(text, options)
+    if found is not None:
+        return ConfigError(*found)
     lines = text.splitlines()
     leaves = [i for i, line in enumerate(lines) if not _is_noise(line)]
     if not leaves:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_tlt.cli_options import OptionParser
+from lightning_tlt.core.cli_options import OptionParser
 from lightning_tlt.core.types import RolloutBackend, SamplingConfig
 from lightning_tlt.drafters.offline import train_drafter
 from lightning_tlt.drafters.trainer import DrafterTrainConfig

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_tlt.cli_options import OptionParser
+from lightning_tlt.core.cli_options import OptionParser
 from lightning_tlt.drafters.eagle import process_umask, write_eagle_dir
 
 Which = Literal["published", "trained"]

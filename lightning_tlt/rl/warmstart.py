@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from typing_extensions import override
 
-from lightning_tlt.cli_options import OptionParser
+from lightning_tlt.core.cli_options import OptionParser
 from lightning_tlt.core.compile_cache import default_cache_dir
 from lightning_tlt.models.tokenizer import build_tokenizer, encode_prompt
 from lightning_tlt.models.zoo import ZOO_SIZES, build_model, count_parameters, load_model, save_model

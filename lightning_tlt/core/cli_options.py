@@ -9,8 +9,26 @@ Nothing heavy is imported here.
 from __future__ import annotations
 
 import argparse
+import difflib
+import re
 import sys
+from collections.abc import Iterable
 from typing import Any, NoReturn
+
+
+def option_error(message: str, options: Iterable[str]) -> tuple[str, str] | None:
+    """``(option, message)`` for argparse's "unrecognized arguments: --x ..." (with the closest known option) and
+    "argument --x: expected one argument"; ``None`` for any other message."""
+    unknown = re.match(r"unrecognized arguments: (\S+)", message)
+    if unknown:
+        flag = unknown.group(1).split("=")[0]
+        close = difflib.get_close_matches(flag, list(options), n=1, cutoff=0.8)
+        hint = f" (did you mean {close[0]}?)" if close else " (options are not abbreviated; see --help)"
+        return flag, f"unknown option{hint}"
+    expected_one = re.match(r"argument (--\S+)(?:, --\S+)*: expected one argument", message)
+    if expected_one:
+        return expected_one.group(1), "expected a value after it"
+    return None
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
@@ -39,12 +57,11 @@ class OptionParser(argparse.ArgumentParser):
         return self.add_argument(flag, *([alias] if alias != flag else []), **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        if message.startswith("unrecognized arguments:") or "expected one argument" in message:
-            from lightning_tlt.config_errors import summarize
-
-            message = str(summarize(message, self._option_string_actions))
+        found = option_error(message, self._option_string_actions)
+        if found is not None:
+            message = ": ".join(found)
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         raise SystemExit(2)
 
 
-__all__ = ["DefaultsFormatter", "OptionParser"]
+__all__ = ["DefaultsFormatter", "OptionParser", "option_error"]
