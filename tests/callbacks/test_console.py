@@ -107,12 +107,14 @@ def run_in_terminal(argv: list[str], width: int, cwd: Path) -> str:
     return b"".join(chunks).decode("utf-8", errors="replace")
 
 
-@pytest.mark.parametrize("width", [120, 220])
-def test_step_lines_survive_the_progress_bar_in_a_terminal(tmp_path: Path, width: int) -> None:
+@pytest.mark.parametrize(("width", "bar"), [(120, "default"), (220, "default"), (120, "TQDMProgressBar")])
+def test_step_lines_survive_the_progress_bar_in_a_terminal(tmp_path: Path, width: int, bar: str) -> None:
     path = tiny_config(tmp_path)
     config = yaml.safe_load(path.read_text())
     config["trainer"].update(max_steps=4, val_check_interval=2, enable_progress_bar=True)
     config["trainer"]["callbacks"].append({"class_path": "lightning_tlt.callbacks.rollout_progress.RolloutProgressCallback"})
+    if bar != "default":  # Lightning's default is Rich where rich is installed
+        config["trainer"]["callbacks"].append({"class_path": f"lightning.pytorch.callbacks.{bar}"})
     path.write_text(yaml.safe_dump(config))
     raw = run_in_terminal([sys.executable, "-m", "lightning_tlt.cli", "fit", "--config", str(path)], width, tmp_path)
     shown = screen(raw, width)
