@@ -80,13 +80,15 @@ def _is_noise(line: str) -> bool:
         _PARSER_KEY.match(line))
 
 
-def summarize(text: str, options: Iterable[str] = ()) -> ConfigError:
+def summarize(text: str, options: Iterable[str] = (), fields: dict[str, str] | None = None) -> ConfigError:
     """The `ConfigError` a jsonargparse error message (``ArgumentError``, or a ``ValueError`` raised while
     instantiating a config) comes down to: its deepest line and the dotted key above it.
 
     Args:
         text: the exception's message.
         options: the parser's option strings, to suggest one for an unrecognized argument.
+        fields: the option that takes each config class (`config_fields`), to key an error of one; without it,
+            a ``...Config`` is the RL modules' ``config``.
     """
     text = text.strip()
     found = option_error(text, options)
@@ -106,7 +108,7 @@ def summarize(text: str, options: Iterable[str] = ()) -> ConfigError:
         # a header beside an ancestor names the union a value was tried against: the key, where none is given
         subtype = None if has_keys else _SUBTYPES.search(line)
         if subtype and subtype.group(1).endswith("Config"):
-            keys.insert(0, "config")
+            keys.insert(0, (fields or {}).get(subtype.group(1), "config"))
         elif subtype and subtype.group(1).endswith("Module"):
             keys.insert(0, "model.init_args")
         if _indent(line) == depth:
@@ -149,6 +151,17 @@ def _parameters(class_path: str) -> list[str]:
         return []
 
 
+def config_fields(cls: type) -> dict[str, str]:
+    """``{config class name: parameter}`` of ``cls.__init__`` (``{"SpeculativeConfig": "speculative", ...}``)."""
+    import inspect
+
+    found: dict[str, str] = {}
+    for name, parameter in inspect.signature(cls).parameters.items():
+        for match in re.findall(r"\b(\w+Config)\b", str(parameter.annotation)):
+            found.setdefault(match, name)
+    return found
+
+
 def _names_dataclass(line: str) -> bool:
     """Whether a "Problem with given class_path 'X'" line names a dataclass (no ``init_args`` level)."""
     import dataclasses
@@ -164,4 +177,4 @@ def _names_dataclass(line: str) -> bool:
         return False
 
 
-__all__ = ["ConfigError", "check_yaml_files", "negative_numbers_as_values", "summarize"]
+__all__ = ["ConfigError", "check_yaml_files", "config_fields", "negative_numbers_as_values", "summarize"]

@@ -20,7 +20,13 @@ from jsonargparse import ArgumentParser, Namespace
 from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
 
-from lightning_tlt.config_errors import ConfigError, check_yaml_files, negative_numbers_as_values, summarize
+from lightning_tlt.config_errors import (
+    ConfigError,
+    check_yaml_files,
+    config_fields,
+    negative_numbers_as_values,
+    summarize,
+)
 from lightning_tlt.data.datamodule import RolloutDataModule
 from lightning_tlt.data.sources import DataSourceError, describe_source, load_reward_func
 from lightning_tlt.rl.common import PolicySpec, RLModule, check_completion_length
@@ -104,7 +110,7 @@ def check_data(data: Any) -> None:
     try:
         parser.instantiate(parser.parse_object({"data": data.clone().as_dict()}))
     except (ArgumentError, ValueError, TypeError) as err:
-        found = summarize(str(err))
+        found = summarize(str(err), fields=config_fields(RolloutDataModule))
         key = found.key if found.key.startswith("data") else ".".join(filter(None, ("data", found.key)))
         raise ConfigError(key, found.message) from err
 

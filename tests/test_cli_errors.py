@@ -45,6 +45,8 @@ def config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         (["--data.task_size", "0"], "data.task_size: task_size and eval_size must be >= 1, got 0, 4"),
         (["--data.speculative.method", "eagel"],
          "data.speculative.method: expected one of 'eagle', 'suffix', 'none', got eagel"),
+        (["--data.speculative.threshold", "-3"], "data.speculative.threshold: threshold must be >= 1, got -3"),
+        (["--trainer.max_steps"], "--trainer.max_steps: expected a value after it"),
         (["--model.init_args.config.epsilonn", "0.1"],
          "model.init_args.config.epsilonn: unknown option (did you mean epsilon?)"),
     ],

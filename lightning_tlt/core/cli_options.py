@@ -25,9 +25,9 @@ def option_error(message: str, options: Iterable[str]) -> tuple[str, str] | None
         close = difflib.get_close_matches(flag, list(options), n=1, cutoff=0.8)
         hint = f" (did you mean {close[0]}?)" if close else " (options are not abbreviated; see --help)"
         return flag, f"unknown option{hint}"
-    expected_one = re.match(r"argument (--\S+)(?:, --\S+)*: expected one argument", message)
-    if expected_one:
-        return expected_one.group(1), "expected a value after it"
+    expected_one = re.match(r"argument (\S+?)(?:, \S+)*: expected one argument", message)
+    if expected_one:  # "-c/--config" or "--out_dir, --out-dir": name the long spelling
+        return expected_one.group(1).split("/")[-1], "expected a value after it"
     return None
 
 
