@@ -27,6 +27,7 @@ def rows_of(log_dir: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+@pytest.mark.slow  # about 30 s with its warm start cached, 2 min without (2-core CPU)
 def test_the_own_data_example_trains_and_validates_on_its_files(tmp_path: Path) -> None:
     # the shipped config as a user runs it (from the repository root), shortened; its warm start is cached
     out = subprocess.run(
@@ -94,6 +95,3 @@ def _save(tokenizer: PreTrainedTokenizerFast, path: Path) -> Path:
     tokenizer.save_pretrained(path)
     return path
 
-
-if __name__ == "__main__":
-    pytest.main([__file__])
