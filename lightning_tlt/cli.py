@@ -16,9 +16,15 @@ exit code; import inside it::
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
+import os
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 Handler = Callable[[list[str]], int]
 """A subcommand: the arguments after its name in, an exit code out."""
@@ -102,9 +108,57 @@ def usage() -> str:
         "  lightning-tlt warmstart --task arithmetic --size tiny",
         "  lightning-tlt export-drafter --checkpoint_path RUN.ckpt --out_dir drafter/",
         "",
-        "`lightning-tlt COMMAND --help` lists a command's options.",
+        "`lightning-tlt COMMAND --help` lists a command's options with their defaults. A config error is one line",
+        "(fit and validate: `--debug` shows its traceback). Warm starts, compiled graphs and help texts are cached under",
+        "$LIGHTNING_TLT_CACHE (default ~/.cache/lightning_tlt).",
     ]
     return "\n".join(lines)
+
+
+def help_cache_path(name: str) -> Path:
+    """Where ``lightning-tlt NAME --help`` is kept: under ``$LIGHTNING_TLT_CACHE`` (else ``~/.cache/lightning_tlt``),
+    keyed by the kit's source files (path, size, mtime), the versions of the packages that write the help, and
+    the terminal's width, so that an edit, an upgrade or a wider terminal writes it afresh."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    key = hashlib.sha256()
+    package = Path(__file__).parent
+    for path in sorted(package.rglob("*.py")):
+        stat = path.stat()
+        key.update(f"{path.relative_to(package)}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+    for dist in ("lightning", "jsonargparse", "torch", "transformers"):
+        try:
+            key.update(f"{dist}={version(dist)};".encode())
+        except PackageNotFoundError:
+            key.update(f"{dist}=none;".encode())
+    key.update(f"columns={shutil.get_terminal_size().columns}".encode())
+    root = Path(os.environ.get("LIGHTNING_TLT_CACHE") or "~/.cache/lightning_tlt").expanduser()
+    return root / "help" / f"{name}-{key.hexdigest()[:16]}.txt"
+
+
+def _cached_help(name: str, sub: Subcommand) -> int:
+    """``lightning-tlt NAME --help``: printed from the cache (a few ms); the first time, written by the subcommand
+    (which imports Lightning, torch, ...: seconds) and kept."""
+    path = help_cache_path(name)
+    if path.is_file():
+        print(path.read_text(), end="")
+        return 0
+    out = io.StringIO()
+    code: int | str | None = 0
+    with contextlib.redirect_stdout(out):
+        try:
+            code = sub.run(["--help"])
+        except SystemExit as done:  # argparse and jsonargparse exit after printing help
+            code = done.code
+    text = out.getvalue()
+    print(text, end="")
+    if code in (0, None) and text:
+        with contextlib.suppress(OSError):  # a read-only home: the help is still printed, only not kept
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(text)
+            tmp.replace(path)
+    return int(code or 0) if not isinstance(code, str) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     if sub is None:
         print(f"{usage()}\n\nlightning-tlt: error: unknown command {argv[0]!r}", file=sys.stderr)
         return 2
+    if argv[1:] in (["--help"], ["-h"]):
+        return _cached_help(argv[0], sub)
     return sub.run(argv[1:])
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import csv
+import os
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -16,7 +18,8 @@ from lightning_tlt import cli
 from lightning_tlt.cli import SUBCOMMANDS, main
 from lightning_tlt.trainer_cli import CPU_CONFIGS
 
-CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+ROOT = Path(__file__).parent.parent
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 
 def tiny_config(tmp_path: Path, **model_config: object) -> Path:
@@ -81,19 +84,60 @@ def test_cpu_configs_are_deterministic(config: Path) -> None:
 
 def test_bad_yaml_configuration_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tiny_config(tmp_path, loss_type="ppo")
-    with pytest.raises((SystemExit, ValueError)) as err:
-        main(["fit", "--config", str(path)])
-    text = str(err.value) + capsys.readouterr().err
-    # refused while parsing the YAML (the Literal type) or by GRPOConfig's validation: either names both
-    assert "loss_type" in text and "ppo" in text and "dapo" in text
+    assert main(["fit", "--config", str(path)]) == 2
+    # refused while parsing the YAML (the Literal type): one line naming the key, the value and the choices
+    assert capsys.readouterr().err.strip() == (
+        "lightning-tlt fit: error: model.init_args.config.loss_type: expected one of 'grpo', 'bnpo', 'dr_grpo', "
+        "'dapo', got ppo")
 
 
-def test_helper_subcommands_dispatch_before_lightningcli(capsys: pytest.CaptureFixture[str]) -> None:
+def test_helper_subcommands_dispatch_before_lightningcli(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("LIGHTNING_TLT_CACHE", str(tmp_path))
     assert list(SUBCOMMANDS) == ["fit", "validate", "warmstart", "export-drafter", "train-drafter"]
-    with pytest.raises(SystemExit) as exit_info:
-        main(["warmstart", "--help"])
-    assert exit_info.value.code == 0
+    assert main(["warmstart", "--help"]) == 0
     assert "lightning-tlt warmstart" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["fit", "warmstart", "export-drafter", "train-drafter"])
+def test_help_is_cached_fast_and_shows_defaults(tmp_path: Path, command: str) -> None:
+    env = {**os.environ, "LIGHTNING_TLT_CACHE": str(tmp_path), "PYTHONPATH": str(ROOT), "COLUMNS": "100"}
+    argv = [sys.executable, "-m", "lightning_tlt.cli", command, "--help"]
+    first = subprocess.run(argv, capture_output=True, text=True, env=env, check=True).stdout
+    start = time.perf_counter()
+    again = subprocess.run(argv, capture_output=True, text=True, env=env, check=True).stdout
+    seconds = time.perf_counter() - start
+    assert again == first and f"lightning-tlt {'[options] ' if command == 'fit' else ''}{command}" in first
+    assert seconds < 2.0, f"{command} --help took {seconds:.2f} s from the cache"
+    assert "(default: " in first or "default: " in first  # argparse: "(default: x)"; jsonargparse: "(type: ..., default: x)"
+    expected = {"fit": "--trainer.max_steps MAX_STEPS", "warmstart": "--batch_size BATCH_SIZE, --batch-size",
+                "export-drafter": "--out_dir OUT_DIR, --out-dir OUT_DIR", "train-drafter": "--out_dir OUT_DIR, --out-dir"}
+    assert expected[command] in first  # one option style: underscores, as LightningCLI's (hyphens accepted)
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["warmstart", "--task", "countdwn"], "lightning-tlt warmstart: error: --task/--difficulty: unknown task "
+         "'countdwn'; registered tasks: ['arithmetic', 'countdown', 'countdown_search']"),
+        (["warmstart", "--batch", "3"], "lightning-tlt warmstart: error: --batch: unknown option (options are not "
+         "abbreviated; see --help)"),
+        (["export-drafter", "--checkpoint-path", "none.ckpt", "--out_dir", "d"],
+         "lightning-tlt export-drafter: error: no checkpoint at 'none.ckpt'"),
+        (["train-drafter", "--out_dir", "d", "--difficulty", "9"], "lightning-tlt train-drafter: error: "
+         "--task/--difficulty: arithmetic: difficulty must be an int in [1, 5], got 9"),
+    ],
+)
+def test_helper_subcommand_errors_are_one_line(
+    argv: list[str], line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        code = main(argv)
+    except SystemExit as exit_info:  # argparse's own checks exit; the commands' checks return
+        code = int(exit_info.code or 0)
+    assert code == 2
+    assert capsys.readouterr().err.strip() == line  # no usage block: --help has it
 
 
 def test_help_is_one_plain_usage_block_and_imports_nothing_heavy() -> None:
@@ -146,7 +190,8 @@ def test_gpu_config_without_a_gpu_is_one_line(capsys: pytest.CaptureFixture[str]
     assert main(["fit", "--config", config]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line == (
-        f"lightning-tlt fit: error: no GPU found (torch.cuda.is_available() is False), but {config} asks for one "
+        f"lightning-tlt fit: error: trainer.accelerator: no GPU found (torch.cuda.is_available() is False), but "
+        f"{config} asks for one "
         "(trainer.accelerator=gpu, warm_start_kwargs.device=cuda); on a CPU run configs/demo_cpu.yaml or "
         "configs/demo_cpu_eagle.yaml or configs/ppo_cpu.yaml"
     )
@@ -157,12 +202,14 @@ def test_gpu_config_without_a_gpu_is_one_line(capsys: pytest.CaptureFixture[str]
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        (["--data.dataset", "arithmetik"], "data: unknown task 'arithmetik'; registered tasks: ['arithmetic', 'countdown', 'countdown_search']"),
-        (["--data.difficulty", "9"], "data: arithmetic: difficulty must be an int in [1, 5], got 9"),
+        (["--data.dataset", "arithmetik"], "data.dataset: unknown task 'arithmetik'; registered tasks: ['arithmetic', "
+         "'countdown', 'countdown_search'] (or give a .json/.jsonl/.parquet/.csv file, a datasets.save_to_disk "
+         "directory or an owner/name dataset in the local HF cache)"),
+        (["--data.difficulty", "9"], "data.difficulty: arithmetic: difficulty must be an int in [1, 5], got 9"),
         (["--model.init_args.policy.size", "huge"],
-         "model.init_args.policy: size must be one of ['tiny', 'small', '100m', '400m', '0.5b'], got 'huge'"),
+         "model.init_args.policy.size: size must be one of ['tiny', 'small', '100m', '400m', '0.5b'], got 'huge'"),
         (["--model.init_args.config.max_completion_length", "5000"],
-         "model.init_args.config: max_completion_length=5000 leaves no room for a prompt in the policy's 4096 "
+         "model.init_args.config.max_completion_length: max_completion_length=5000 leaves no room for a prompt in the policy's 4096 "
          "positions (config.max_position_embeddings); max_completion_length must be < 4096"),
     ],
 )

@@ -1,11 +1,15 @@
-"""`RolloutMetricsCallback`: rollout timing, the long tail, and a one-line summary per step.
+"""`RolloutMetricsCallback`: rollout timing, the long tail, a one-line summary per step and one per run.
 
 The RL modules already log TRL's metrics of each batch (``reward``, ``completions/*``, ``kl``,
 ...); this callback adds what only the engine's step events show: how the rollout's time splits
 between the full batch and its long tail, and TRL's ``step_time``. It also prints a readable line
 every ``print_every_n_steps`` (reward and each reward function's mean beside it, so correctness is
 never hidden inside a total that format alone can raise; lengths, throughput, speculation), after
-a one-time legend (`SUMMARY_LEGEND`).
+a one-time legend (`SUMMARY_LEGEND`); a line for each validation, timed apart from the steps; and at
+the end of ``fit`` a summary of the run (`run_summary`): steps and time, each reward function's mean
+over the first and the last pass over the prompts, the held-out result, speculation, and where the
+metrics, the checkpoint and the drafter went. Lines go through the progress bar's own console
+(`lightning_tlt.rl.progress_bar.print_line`), so that in a terminal neither erases the other.
 """
 
 from __future__ import annotations
@@ -15,10 +19,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_tlt.core.types import StepEvent
+from lightning_tlt.rl.progress_bar import print_line
 
 
 class RolloutMetricsCallback(Callback):
@@ -44,10 +48,12 @@ class RolloutMetricsCallback(Callback):
         self.print_every_n_steps = print_every_n_steps
         self._events: list[StepEvent] = []
         self._last_end: float | None = None
-        self._state = {"printed": 0}
+        self._state: dict[str, Any] = {"printed": 0, "history": [], "validations": [], "fit_s": 0.0}
         self._batch_start_step = 0
         self._legend_shown = False
         self._datamodule: Any = None
+        self._fit_start: float | None = None
+        self._val_start: float | None = None
 
     def _on_event(self, event: StepEvent) -> None:
         if event.phase != "done":
@@ -59,13 +65,38 @@ class RolloutMetricsCallback(Callback):
         if dm is not None and hasattr(dm, "add_listener"):
             dm.add_listener(self._on_event)
             self._datamodule = dm
-        self._last_end = time.perf_counter()
+        self._last_end = self._fit_start = time.perf_counter()
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._datamodule is not None:
             self._datamodule.remove_listener(self._on_event)
             self._datamodule = None
+        if self._fit_start is not None:
+            self._state["fit_s"] += time.perf_counter() - self._fit_start
+            self._fit_start = None
+        if self.print_every_n_steps and self._state["history"]:
+            print_line(trainer, run_summary(self._state, _paths(trainer), trainer.num_training_batches))
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._val_start = time.perf_counter()
+        if self.print_every_n_steps and trainer.state.fn == "fit":
+            print_line(trainer, f"validation at step {trainer.global_step} ...")
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        now = time.perf_counter()
+        seconds = now - (self._val_start or now)
+        if self._last_end is not None:
+            self._last_end += seconds  # the next step's time is its own, without the validation's
+        metrics = {k[len("eval_"):]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("eval_")}
+        if not metrics:
+            return
+        self._state["validations"].append({"step": trainer.global_step, "seconds": seconds, **_kept(metrics)})
+        if self.print_every_n_steps:
+            shown = " | ".join(summary_line(0, metrics, {}).split(" | ")[1:])  # less the "step" column
+            print_line(trainer, f"validation at step {trainer.global_step} | {shown} | {seconds:.2f} s")
 
     def tail_metrics(self) -> dict[str, float]:
         """Share of decode steps and of decode time spent with few rows active, since the last call."""
@@ -97,11 +128,12 @@ class RolloutMetricsCallback(Callback):
         n, step = self.print_every_n_steps, trainer.global_step
         if n and step // n != self._batch_start_step // n:  # this batch reached (or passed) a multiple of n
             if not self._legend_shown:
-                rank_zero_info(SUMMARY_LEGEND)
+                print_line(trainer, SUMMARY_LEGEND)
                 self._legend_shown = True
             max_steps = trainer.max_steps if trainer.max_steps is not None and trainer.max_steps > 0 else None
-            rank_zero_info(summary_line(step, getattr(batch, "metrics", {}), metrics, max_steps=max_steps))
+            print_line(trainer, summary_line(step, getattr(batch, "metrics", {}), metrics, max_steps=max_steps))
             self._state["printed"] += 1
+        self._state["history"].append({"step": step, **_kept(getattr(batch, "metrics", {}))})
 
     @override
     def on_train_batch_start(
@@ -116,6 +148,79 @@ class RolloutMetricsCallback(Callback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._state.update(state_dict)
+
+
+def _kept(metrics: dict[str, float]) -> dict[str, float]:
+    """The figures of a step that the run's summary uses: the reward, each function's mean, speculation."""
+    return {k: float(v) for k, v in metrics.items()
+            if k in ("reward", "spec/fraction", "spec/accept_len") or (k.startswith("rewards/") and k.endswith("/mean"))}
+
+
+def _paths(trainer: pl.Trainer) -> dict[str, str]:
+    """Where the run's metrics, checkpoint and drafter are (those it has)."""
+    import os
+
+    paths: dict[str, str] = {}
+    log_dir = trainer.logger.log_dir if trainer.logger is not None else None
+    if log_dir and os.path.isfile(os.path.join(log_dir, "metrics.csv")):
+        paths["metrics"] = os.path.join(log_dir, "metrics.csv")
+    ckpt = trainer.checkpoint_callback
+    path = getattr(ckpt, "last_model_path", "") or getattr(ckpt, "best_model_path", "") if ckpt is not None else ""
+    if path:
+        paths["checkpoint"] = path
+        if any(type(c).__name__ == "DrafterCoTrainCallback" for c in trainer.callbacks):  # type: ignore[attr-defined]
+            paths["drafter"] = (f"co-trained, in the checkpoint; for vLLM: lightning-tlt export-drafter "
+                                f"--checkpoint_path {path} --out_dir DRAFTER/")
+    return paths
+
+
+def _duration(seconds: float) -> str:
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s" if minutes else f"{seconds:.1f} s"
+
+
+def run_summary(state: dict[str, Any], paths: dict[str, str], steps_per_pass: int | float = 0) -> str:
+    """The end-of-run summary: steps and time, each reward function's mean over the first and the last pass
+    over the prompts (``steps_per_pass`` RL steps; half the run when it made fewer than two passes), the held-out
+    result (first and last validation), speculation, and ``paths`` (metrics, checkpoint, drafter)."""
+    history: list[dict[str, float]] = state["history"]
+    n = len(history)
+    per = int(steps_per_pass) if isinstance(steps_per_pass, int) or float(steps_per_pass).is_integer() else 0
+    window = per if 0 < per <= n // 2 else max(1, n // 2)
+    first, last = history[:window], history[-window:]
+    validation_s = sum(v["seconds"] for v in state["validations"])
+    lines = [f"done: {n} RL steps, optimizer step {int(history[-1]['step'])}, in {_duration(state['fit_s'])}"
+             + (f" ({_duration(validation_s)} of it validating)" if validation_s else "")]
+    names = [k for k in history[-1] if k.startswith("rewards/")] or ["reward"]
+    span = (f"steps {int(first[0]['step'])}-{int(first[-1]['step'])} -> "
+            f"{int(last[0]['step'])}-{int(last[-1]['step'])}")
+    pass_word = "pass over the prompts" if window == per else "half of the run"
+    trend = ", ".join(f"{_name(k)} {_mean(first, k):.3f} -> {_mean(last, k):.3f}" for k in names)
+    lines.append(f"  train:     {trend} (first vs last {pass_word}: {span})")
+    if state["validations"]:
+        v0, v1 = state["validations"][0], state["validations"][-1]
+        keys = [k for k in v1 if k.startswith("rewards/")] or ["reward"]
+        held = ", ".join(f"{_name(k)} {v1.get(k, float('nan')):.3f}" for k in keys)
+        before = f" (first, at step {v0['step']}: " + ", ".join(
+            f"{_name(k)} {v0.get(k, float('nan')):.3f}" for k in keys) + ")" if len(state["validations"]) > 1 else ""
+        lines.append(f"  held-out:  {held} at step {v1['step']}{before}")
+    spec = [h for h in history if h.get("spec/fraction", 0.0) > 0 and "spec/accept_len" in h]
+    half = max(1, len(spec) // 2)
+    if spec:
+        lines.append(f"  speculation: {100 * _mean(history, 'spec/fraction'):.0f}% of decode steps, accept "
+                     f"{_mean(spec[:half], 'spec/accept_len'):.2f} -> {_mean(spec[-half:], 'spec/accept_len'):.2f} "
+                     "tokens per speculative step (first vs last half of the speculating steps)")
+    lines += [f"  {name + ':':<10} {path}" for name, path in paths.items()]
+    return "\n".join(lines)
+
+
+def _name(key: str) -> str:
+    return short_reward_name(key[len("rewards/"):-len("/mean")]) if key.startswith("rewards/") else key
+
+
+def _mean(rows: list[dict[str, float]], key: str) -> float:
+    values = [r[key] for r in rows if key in r and r[key] == r[key]]  # NaN: no completion scored
+    return sum(values) / len(values) if values else float("nan")
 
 
 SUMMARY_LEGEND = """columns of the per-step lines below:

@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
@@ -37,6 +38,13 @@ from lightning_tlt.data.rewards import (
     compute_rewards,
     drop_overflowing_groups,
     reward_func_name,
+)
+from lightning_tlt.data.sources import (
+    check_prompt_column,
+    describe_source,
+    is_task_name,
+    load_prompts,
+    resolve_reward_funcs,
 )
 from lightning_tlt.rl.advantages import combine_rewards, group_advantages, nanstd, normalize_scale_rewards
 from lightning_tlt.rl.batch import RolloutBatch, RolloutSettings, RolloutSettingsSource, pad_left, pad_right
@@ -87,11 +95,19 @@ class RolloutDataModule(pl.LightningDataModule):
 
     Args:
         dataset: a ``datasets.Dataset`` (or list of dicts) with a ``prompt`` column in TRL's format
-            (a string, or a list of ``{"role", "content"}`` messages), or the name of a zoo task
-            (``lightning_tlt.tasks``), whose dataset is built with ``task_size``/``difficulty``.
-        reward_funcs: TRL-signature reward functions (sync or async); ``None`` takes the zoo task's.
-        eval_dataset: prompts for ``validate``; ``None`` with a task name takes the task's test split.
-        tokenizer: an HF tokenizer or a directory to load one from; ``None`` builds the kit's.
+            (a string, or a list of ``{"role", "content"}`` messages), the name of a zoo task
+            (``lightning_tlt.tasks``, built with ``task_size``/``difficulty``), or a string naming a
+            JSON/JSONL/Parquet/CSV file, a ``save_to_disk`` directory or a hub dataset id in the local
+            HF cache (`lightning_tlt.data.sources`). Columns other than ``prompt`` reach the reward
+            functions as keyword arguments, as in TRL.
+        reward_funcs: TRL-signature reward functions (sync or async), or their import paths
+            (``package.module:function``, ``path/to/file.py:function``); ``None`` takes the zoo task's.
+        eval_dataset: prompts for validation, in any form ``dataset`` takes; ``None`` takes ``eval_split``
+            of ``dataset`` when given, else a task's test split (a file or directory: no validation).
+        split: the split of a ``save_to_disk``/hub/data-file directory to train on.
+        eval_split: the split of ``dataset`` to validate on when ``eval_dataset`` is ``None``.
+        tokenizer: an HF tokenizer or a directory to load one from; ``None`` takes the one saved with a policy
+            loaded from an HF directory (``policy.path``, its chat template included), else builds the kit's.
         num_generations: completions per prompt; ``None`` takes the RL module's.
         prompts_per_step: prompts per training step (TRL's ``generation_batch_size / num_generations``).
         sampling: how to sample; ``None`` takes the RL module's (temperature, top-p/k, max length).
@@ -121,9 +137,11 @@ class RolloutDataModule(pl.LightningDataModule):
     def __init__(
         self,
         dataset: Any = "arithmetic",
-        reward_funcs: Sequence[RewardFunc] | None = None,
+        reward_funcs: Sequence[str | RewardFunc] | None = None,
         *,
         eval_dataset: Any = None,
+        split: str = "train",
+        eval_split: str | None = None,
         tokenizer: Any = None,
         num_generations: int | None = None,
         prompts_per_step: int = 4,
@@ -155,8 +173,12 @@ class RolloutDataModule(pl.LightningDataModule):
         if task_size < 1 or eval_size < 1:
             raise ValueError(f"task_size and eval_size must be >= 1, got {task_size!r}, {eval_size!r}")
         check_task_names(dataset, eval_dataset, difficulty)
+        if eval_split is not None and isinstance(dataset, str) and is_task_name(dataset):
+            raise ValueError(f"eval_split={eval_split!r} is for a file, directory or hub dataset; the task "
+                             f"{dataset!r} validates on its own test split (eval_size prompts)")
         self._dataset_arg, self._eval_arg, self._tokenizer_arg = dataset, eval_dataset, tokenizer
-        self.reward_funcs: list[RewardFunc] = list(reward_funcs) if reward_funcs is not None else []
+        self.split, self.eval_split = split, eval_split
+        self.reward_funcs: list[RewardFunc] = resolve_reward_funcs(reward_funcs) if reward_funcs is not None else []
         self._reward_funcs_given = reward_funcs is not None
         self.num_generations = num_generations
         self.prompts_per_step = prompts_per_step
@@ -214,10 +236,12 @@ class RolloutDataModule(pl.LightningDataModule):
             self._check_context(self._policy)
 
     def _load_all(self) -> None:
-        self.tokenizer = _load_tokenizer(self._tokenizer_arg)
+        self.tokenizer = _load_tokenizer(self._tokenizer_arg, self._policy)
         self.train_data, task = self._load(self._dataset_arg, split="train", size=self.task_size)
         if self._eval_arg is not None:
             self.eval_data, _ = self._load(self._eval_arg, split="test", size=self.eval_size)
+        elif self.eval_split is not None:
+            self.eval_data = load_prompts(self._dataset_arg, split=self.eval_split)
         elif task is not None:
             self.eval_data, _ = self._load(self._dataset_arg, split="test", size=self.eval_size)
         if not self._reward_funcs_given:
@@ -269,25 +293,25 @@ class RolloutDataModule(pl.LightningDataModule):
         from datasets import Dataset
 
         task = None
-        if isinstance(arg, str):
+        if isinstance(arg, str) and is_task_name(arg):
             from lightning_tlt.tasks import get_task
 
             task = get_task(arg)
             data = task.make_dataset(
                 size, difficulty=self.difficulty, seed=self.seed, conversational=self.conversational, split=split
             )
+        elif isinstance(arg, str):
+            data = load_prompts(arg, split=self.split if split == "train" else self.eval_split or "train")
         elif isinstance(arg, Dataset):
             data = arg
         elif isinstance(arg, list):
             data = Dataset.from_list(arg)
         else:
-            raise ValueError(f"dataset must be a datasets.Dataset, a list of dicts or a task name, got {type(arg)!r}")
-        if "prompt" not in data.column_names:
             raise ValueError(
-                f"the dataset needs a 'prompt' column (TRL's prompt-only format), got columns {data.column_names}"
+                f"dataset must be a datasets.Dataset, a list of dicts, a task name or a file, directory or hub id, "
+                f"got {type(arg)!r}"
             )
-        if len(data) == 0:
-            raise ValueError("the dataset is empty")
+        check_prompt_column(data)
         return data, task
 
     def _encode(self, prompt: Any) -> list[int]:
@@ -534,13 +558,15 @@ def check_sampled_from_finite_logits(out: RolloutOutput, step: int) -> None:
 
 
 def check_task_names(dataset: Any, eval_dataset: Any = None, difficulty: int = 1) -> None:
-    """Refuse an unknown zoo task name or a difficulty it does not have (cheap: run before any other work).
+    """Refuse an unknown zoo task name, a difficulty it does not have, or a file or directory that is not
+    there (cheap: run before any other work; files are read later, in `RolloutDataModule.prepare`).
 
     Raises:
-        ValueError: naming the task and the registered ones, or the allowed difficulties.
+        ValueError: naming the task and the registered ones, the allowed difficulties, or the missing path
+            (`DataSourceError`).
     """
     for arg in (dataset, eval_dataset):
-        if isinstance(arg, str):
+        if isinstance(arg, str) and describe_source(arg) == "task":
             from lightning_tlt.tasks import get_task
 
             get_task(arg).check_difficulty(difficulty)
@@ -567,9 +593,16 @@ def _module_settings(module: Any) -> RolloutSettings | None:
     return module.rollout_settings() if isinstance(module, RolloutSettingsSource) else None
 
 
-def _load_tokenizer(arg: Any) -> Any:
+def _load_tokenizer(arg: Any, policy: torch.nn.Module | None = None) -> Any:
+    """``arg`` (a tokenizer, or a directory to load one from); ``None``: the tokenizer saved beside a policy loaded
+    from an HF directory (``policy.path``), else the kit's own."""
     if arg is None:
         from lightning_tlt.models.tokenizer import build_tokenizer
+
+        source = str(getattr(getattr(policy, "config", None), "_name_or_path", "") or "")
+        if source and (Path(source) / "tokenizer_config.json").is_file():
+            arg = source
+    if arg is None:
 
         return build_tokenizer()
     if isinstance(arg, str):

@@ -16,15 +16,16 @@ acceptance before and after)::
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
+from argparse import Namespace
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_tlt.core.cli_options import OptionParser
 from lightning_tlt.core.types import RolloutBackend, SamplingConfig
 from lightning_tlt.drafters.offline import train_drafter
 from lightning_tlt.drafters.trainer import DrafterTrainConfig
@@ -68,7 +69,7 @@ def task_prompts(task: str, n: int, *, tokenizer: Any = None, difficulty: int = 
     return [encode_prompt(tokenizer, p.prompt) for p in get_task(task).problems(n, difficulty=difficulty, seed=seed)]
 
 
-def _policy(args: argparse.Namespace) -> nn.Module:
+def _policy(args: Namespace) -> nn.Module:
     if args.policy_path:
         from transformers import AutoModelForCausalLM
 
@@ -85,28 +86,37 @@ def _policy(args: argparse.Namespace) -> nn.Module:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``lightning-tlt train-drafter``: train an EAGLE drafter for a policy on a task, save it for vLLM."""
-    p = argparse.ArgumentParser(prog="lightning-tlt train-drafter", description=__doc__.splitlines()[0])
-    p.add_argument("--out-dir", required=True, help="where EagleDrafter.save_pretrained writes the drafter")
-    p.add_argument("--task", default="arithmetic", help="zoo task whose prompts (or worked solutions) to use")
-    p.add_argument("--difficulty", type=int, default=1)
-    p.add_argument("--source", choices=["rollouts", "sft"], default="rollouts")
-    p.add_argument("--policy-path", default=None, help="an HF model directory (else a zoo policy)")
-    p.add_argument("--arch", default="qwen2")
-    p.add_argument("--size", default="tiny")
-    p.add_argument("--warm-start", action="store_true", help="SFT-warm-start the zoo policy first (cached)")
-    p.add_argument("--sft-steps", type=int, default=1000)
-    p.add_argument("--prompts", type=int, default=64, help="prompts (rollouts) or worked solutions (sft)")
-    p.add_argument("--generations", type=int, default=8, help="rollouts per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--steps", type=int, default=400, help="drafter updates")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--learning-rate", type=float, default=3e-4)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bf16 on CUDA")
-    p.add_argument("--seed", type=int, default=0)
+    p = OptionParser("lightning-tlt train-drafter", "Train an EAGLE drafter for a policy on a task's rollouts (or its "
+                     "worked solutions) and save it as a vLLM EAGLE draft directory.")
+    p.add_option("out_dir", required=True, help="where EagleDrafter.save_pretrained writes the drafter")
+    p.add_option("task", default="arithmetic", help="zoo task whose prompts (or worked solutions) to use")
+    p.add_option("difficulty", type=int, default=1)
+    p.add_option("source", choices=["rollouts", "sft"], default="rollouts")
+    p.add_option("policy_path", default=None, help="an HF model directory (else a zoo policy)")
+    p.add_option("arch", default="qwen2")
+    p.add_option("size", default="tiny")
+    p.add_option("warm_start", action="store_true", help="SFT-warm-start the zoo policy first (cached)")
+    p.add_option("sft_steps", type=int, default=1000)
+    p.add_option("prompts", type=int, default=64, help="prompts (rollouts) or worked solutions (sft)")
+    p.add_option("generations", type=int, default=8, help="rollouts per prompt")
+    p.add_option("max_new_tokens", type=int, default=512)
+    p.add_option("temperature", type=float, default=1.0)
+    p.add_option("steps", type=int, default=400, help="drafter updates")
+    p.add_option("batch_size", type=int, default=8)
+    p.add_option("max_len", type=int, default=512)
+    p.add_option("learning_rate", type=float, default=3e-4)
+    p.add_option("device", default=None, help="default: cuda when a GPU is found, else cpu")
+    p.add_option("dtype", choices=["float32", "bfloat16"], default=None, help="default: bf16 on CUDA")
+    p.add_option("seed", type=int, default=0)
     args = p.parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:  # what would otherwise fail after the policy is built, as one line
+        get_task(args.task).check_difficulty(args.difficulty)
+    except ValueError as err:
+        p.error(f"--task/--difficulty: {err}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device: no GPU found (torch.cuda.is_available() is False), but --device {args.device} asks "
+                "for one; give --device cpu")
     start = time.perf_counter()
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
     policy = _policy(args).to(device=args.device, dtype=dtype).eval()

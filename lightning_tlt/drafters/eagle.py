@@ -556,7 +556,19 @@ def write_eagle_dir(
         config["eagle_feature_layers"] = list(feature_layers)
     (path / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file(tensors, str(path / SAFETENSORS_NAME), metadata={"format": "pt"})
+    # safetensors writes 0600; a drafter is meant to be read by others (a vLLM server's user): the mode open()
+    # gives (0644 under umask 022)
+    (path / SAFETENSORS_NAME).chmod(0o666 & ~process_umask())
     return path
+
+
+def process_umask() -> int:
+    """The process umask (read by setting it and putting it back)."""
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def drafter_config(target: object) -> LlamaConfig:

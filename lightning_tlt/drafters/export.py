@@ -20,10 +20,8 @@ and its parents are refused whatever ``overwrite`` says.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -34,7 +32,8 @@ from typing import Any, Literal
 import torch
 
 from lightning_tlt.core.checksums import load_checkpoint
-from lightning_tlt.drafters.eagle import write_eagle_dir
+from lightning_tlt.core.cli_options import OptionParser
+from lightning_tlt.drafters.eagle import process_umask, write_eagle_dir
 
 Which = Literal["published", "trained"]
 
@@ -80,13 +79,6 @@ def _nonfinite(weights: Mapping[str, Any]) -> dict[str, int]:
             if bad:
                 counts[name] = bad
     return counts
-
-
-def _umask() -> int:
-    """The process umask (read by setting it and putting it back)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
 
 
 def export_drafter(
@@ -145,7 +137,7 @@ def export_drafter(
         _write_marker(staging, checkpoint_path, "published" if use_published else "trained")
         # ordinary permissions, as open() and mkdir() give (0644 and 0755 under umask 022): safetensors writes
         # 0600 and mkdtemp 0700, and an exported model is meant to be read by others (a vLLM server's user)
-        umask = _umask()
+        umask = process_umask()
         for path in staging.iterdir():
             path.chmod(0o666 & ~umask)
         staging.chmod(0o777 & ~umask)
@@ -261,19 +253,18 @@ def _swap_in(staging: Path, target: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``lightning-tlt export-drafter --checkpoint_path CKPT --out_dir DIR [--which ...] [--overwrite] [--allow_nonfinite]``."""
-    parser = argparse.ArgumentParser(
-        prog="lightning-tlt export-drafter",
-        description="Write the drafter co-trained in a Lightning run (DrafterCoTrainCallback) as a vLLM EAGLE draft "
-        "directory (config.json, model.safetensors).",
+    parser = OptionParser(
+        "lightning-tlt export-drafter",
+        "Write the drafter co-trained in a Lightning run (DrafterCoTrainCallback) as a vLLM EAGLE draft directory "
+        "(config.json, model.safetensors).",
     )
-    parser.add_argument("--checkpoint_path", "--checkpoint-path", required=True,
-                        help="a Lightning .ckpt of a run with DrafterCoTrainCallback")
-    parser.add_argument("--out_dir", "--out-dir", required=True, help="directory to write the EAGLE draft to")
-    parser.add_argument("--which", choices=["published", "trained"], default="published",
-                        help="the copy the engine last drafted with (published) or the training copy (trained)")
-    parser.add_argument("--overwrite", action="store_true", help="replace out_dir if it holds a previous export (and nothing else)")
-    parser.add_argument("--allow_nonfinite", "--allow-nonfinite", action="store_true",
-                        help="export weights that hold NaN or inf (a diverged drafter)")
+    parser.add_option("checkpoint_path", required=True, help="a Lightning .ckpt of a run with DrafterCoTrainCallback")
+    parser.add_option("out_dir", required=True, help="directory to write the EAGLE draft to")
+    parser.add_option("which", choices=["published", "trained"], default="published",
+                      help="the copy the engine last drafted with (published) or the training copy (trained)")
+    parser.add_option("overwrite", action="store_true", help="replace out_dir if it holds a previous export (and nothing else)")
+    parser.add_option("allow_nonfinite", action="store_true",
+                      help="export weights that hold NaN or inf (a diverged drafter)")
     args = parser.parse_args(argv)
     try:
         path = export_drafter(args.checkpoint_path, args.out_dir, which=args.which, overwrite=args.overwrite,

@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 
@@ -68,6 +69,31 @@ class OptimizerStepRichProgressBar(_OptimizerStepProgress, RichProgressBar):
         if self.trainer.max_epochs is not None and self.trainer.max_epochs < 0:
             return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
         return super()._get_train_description(current_epoch)
+
+
+def print_line(trainer: pl.Trainer | None, text: str) -> None:
+    """Print ``text`` as whole lines above the Trainer's progress bar, through the bar's own console, on rank zero.
+
+    A line written beside a live bar (a log record, a ``print``) is erased or glued to the bar by its next
+    redraw in a terminal; TQDM's ``write`` and Rich's console clear the bar, print the line and redraw it.
+    Without a bar the line goes to Lightning's rank-zero log (``rank_zero_info``), as before.
+    """
+    if trainer is not None and not trainer.is_global_zero:
+        return
+    bar = trainer.progress_bar_callback if trainer is not None else None
+    if isinstance(bar, TQDMProgressBar) and bar.is_enabled:
+        import sys
+
+        from tqdm.auto import tqdm
+
+        for line in text.splitlines():
+            tqdm.write(line, file=sys.stdout)
+        return
+    if isinstance(bar, RichProgressBar) and bar.is_enabled and bar.progress is not None:
+        # soft_wrap: never re-wrap a long line; markup/highlight off: print the text exactly as written
+        bar.progress.console.print(text, soft_wrap=True, markup=False, highlight=False)
+        return
+    rank_zero_info(text)
 
 
 def optimizer_step_bar(bar: Callback | None) -> Callback | None:

@@ -12,7 +12,6 @@ Command line (prints loss, held-out accuracy and time)::
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -33,6 +32,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from typing_extensions import override
 
+from lightning_tlt.core.cli_options import OptionParser
 from lightning_tlt.core.compile_cache import default_cache_dir
 from lightning_tlt.models.tokenizer import build_tokenizer, encode_prompt
 from lightning_tlt.models.zoo import ZOO_SIZES, build_model, count_parameters, load_model, save_model
@@ -397,30 +397,35 @@ def evaluate_accuracy(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m lightning_tlt.rl.warmstart``: warm-start (or load) a policy, print loss, accuracy, time."""
-    parser = argparse.ArgumentParser(
-        prog="lightning-tlt warmstart",
-        description="Warm-start (or load from the cache) a zoo policy on a task's worked solutions, "
-        "then print its loss, held-out greedy accuracy and time.",
+    parser = OptionParser(
+        "lightning-tlt warmstart",
+        "Warm-start (or load from the cache) a zoo policy on a task's worked solutions, then print its loss, "
+        "held-out greedy accuracy and time. The cache is $LIGHTNING_TLT_CACHE, else ~/.cache/lightning_tlt.",
     )
-    parser.add_argument("--task", default="arithmetic", help="registered task (arithmetic, countdown, countdown_search)")
-    parser.add_argument("--arch", default="qwen2", choices=["qwen2", "llama", "qwen3"])
-    parser.add_argument("--size", default="tiny", choices=list(ZOO_SIZES))
-    parser.add_argument("--difficulty", type=int, default=1, help="task difficulty of data and evaluation")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the init and the data")
-    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps")
-    parser.add_argument("--batch-size", type=int, default=32, help="sequences per step")
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine)")
-    parser.add_argument("--max-length", type=int, default=None, help="longest SFT sequence (default: task budget)")
-    parser.add_argument("--batch-tokens", type=int, default=None, help="most padded tokens per batch")
-    parser.add_argument("--max-time-s", type=float, default=None, help="stop training after this many seconds")
-    parser.add_argument(
-        "--cache-dir", default=None, help="default: $LIGHTNING_TLT_CACHE or ~/.cache/lightning_tlt"
-    )
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--eval-n", type=int, default=200, help="held-out prompts for the accuracy")
-    parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads while training on the CPU")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_option("task", default="arithmetic", help="registered task (arithmetic, countdown, countdown_search)")
+    parser.add_option("arch", default="qwen2", choices=["qwen2", "llama", "qwen3"])
+    parser.add_option("size", default="tiny", choices=list(ZOO_SIZES))
+    parser.add_option("difficulty", type=int, default=1, help="task difficulty of data and evaluation")
+    parser.add_option("seed", type=int, default=0, help="seed of the init and the data")
+    parser.add_option("steps", type=int, default=1000, help="optimizer steps")
+    parser.add_option("batch_size", type=int, default=32, help="sequences per step")
+    parser.add_option("lr", type=float, default=3e-3, help="peak learning rate (cosine)")
+    parser.add_option("max_length", type=int, default=None, help="longest SFT sequence (default: task budget)")
+    parser.add_option("batch_tokens", type=int, default=None, help="most padded tokens per batch")
+    parser.add_option("max_time_s", type=float, default=None, help="stop training after this many seconds")
+    parser.add_option("cache_dir", default=None, help="default: $LIGHTNING_TLT_CACHE or ~/.cache/lightning_tlt")
+    parser.add_option("device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_option("eval_n", type=int, default=200, help="held-out prompts for the accuracy")
+    parser.add_option("cpu_threads", type=int, default=1, help="torch threads while training on the CPU")
+    parser.add_option("no_progress", action="store_true", help="hide the progress bar")
     args = parser.parse_args(argv)
+    try:  # what would otherwise fail after the model is built, as one line
+        get_task(args.task).check_difficulty(args.difficulty)
+    except ValueError as err:
+        parser.error(f"--task/--difficulty: {err}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device: no GPU found (torch.cuda.is_available() is False), but --device cuda asks for one; "
+                     "give --device cpu")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.device == "cpu" and args.cpu_threads is not None:
         torch.set_num_threads(args.cpu_threads)  # this process only: evaluation runs with it too

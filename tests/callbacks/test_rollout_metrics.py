@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from lightning_tlt.callbacks.rollout_metrics import SUMMARY_LEGEND, short_reward_name, summary_line
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_tlt.callbacks.rollout_metrics import (
+    SUMMARY_LEGEND,
+    RolloutMetricsCallback,
+    short_reward_name,
+    summary_line,
+)
 
 
 def test_summary_line_shows_each_reward_function_beside_the_total() -> None:
@@ -35,3 +45,28 @@ def test_short_reward_names_and_legend() -> None:
     assert short_reward_name("informat") == "informat"
     for column in ("step", "reward", "correctness", "format", "len", "tok/s", "spec/accept", "rewards/<func>/mean"):
         assert column in SUMMARY_LEGEND, column
+
+
+def test_validation_is_timed_apart_from_the_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([0.0, 2.0, 2.5, 50.5, 53.5])  # fit start, step 1 end, validation 2.5-50.5 s, step 2 end
+    monkeypatch.setattr("lightning_tlt.callbacks.rollout_metrics.time.perf_counter", lambda: next(clock))
+    printed: list[str] = []
+    monkeypatch.setattr("lightning_tlt.callbacks.rollout_metrics.print_line", lambda trainer, text: printed.append(text))
+    logged: dict[str, list[float]] = {}
+    module = SimpleNamespace(log=lambda name, value, **kw: logged.setdefault(name, []).append(value))
+    trainer = SimpleNamespace(datamodule=None, global_step=0, max_steps=4, callback_metrics={},
+                              state=SimpleNamespace(fn="fit"))
+    callback = RolloutMetricsCallback(print_every_n_steps=1)
+    batch = type("Batch", (), {"metrics": {"reward": 1.0}, "__len__": lambda self: 2})()
+    callback.on_fit_start(trainer, module)
+    trainer.global_step = 2
+    callback.on_train_batch_end(trainer, module, None, batch, 0)
+    callback.on_validation_start(trainer, module)
+    trainer.callback_metrics = {"eval_reward": torch.tensor(1.5), "eval_rewards/f/mean": torch.tensor(0.75)}
+    callback.on_validation_end(trainer, module)
+    trainer.global_step = 4
+    callback.on_train_batch_end(trainer, module, None, batch, 1)
+    assert logged["step_time"] == [2.0, 3.5]  # step 2: 53.5 - 2.0 less the validation's 48 s (51.5 s before)
+    assert printed[-2] == "validation at step 2 | reward 1.500 ± 0.000 (f 0.750) | 48.00 s"
+    assert callback.state_dict()["validations"] == [{"step": 2, "seconds": 48.0, "reward": 1.5,
+                                                     "rewards/f/mean": 0.75}]

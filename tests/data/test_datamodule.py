@@ -207,7 +207,7 @@ def test_numpy_and_tensor_rewards_are_numbers(policy: torch.nn.Module) -> None:
 
 
 def test_bad_configuration_errors(policy: torch.nn.Module) -> None:
-    with pytest.raises(ValueError, match=r"needs a 'prompt' column .* got columns \['question', 'answer'\]"):
+    with pytest.raises(ValueError, match=r"has no 'prompt' column .* its columns are \['question', 'answer'\]"):
         make(policy, [length_reward], dataset=[{"question": "x", "answer": "1"}])
     with pytest.raises(ValueError, match="reward_weights needs one weight per reward function"):
         make(policy, [length_reward], reward_weights=[1.0, 2.0])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -43,3 +45,16 @@ def test_train_drafter_command_writes_what_vllm_loads(
     loaded = EagleDrafter.from_pretrained(out, policy)
     cold = EagleDrafter.from_target(policy, generator=torch.Generator().manual_seed(0))
     assert not torch.equal(loaded.fc.weight, cold.fc.weight)  # trained, not the seed's init
+
+
+def test_train_drafter_writes_weights_others_can_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "drafter"
+    previous = os.umask(0o022)
+    try:  # underscores, as fit's options (hyphens are accepted too)
+        assert cli_main(["train-drafter", "--out_dir", str(out), "--source", "sft", "--prompts", "4", "--steps", "1",
+                         "--batch_size", "2", "--max_len", "24", "--device", "cpu"]) == 0
+    finally:
+        os.umask(previous)
+    # safetensors alone writes 0600: a vLLM server running as another user could not read the drafter
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {
+        "config.json": 0o644, "model.safetensors": 0o644}

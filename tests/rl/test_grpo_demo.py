@@ -33,7 +33,7 @@ STEPS_PER_PASS = 8  # task_size 128 / prompts_per_step 16
 def test_demo_learns_correctness_and_exports_its_drafter(
     tmp_path: Path, capfd: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO)  # the per-step lines are Lightning's rank-zero log records
+    caplog.set_level(logging.INFO)  # without a progress bar the per-step lines are Lightning's rank-zero log records
     assert main([
         "fit", "--config", str(DEMO),
         f"--trainer.logger.init_args.save_dir={tmp_path}", f"--trainer.default_root_dir={tmp_path}",
@@ -55,6 +55,12 @@ def test_demo_learns_correctness_and_exports_its_drafter(
     assert out.count("columns of the per-step lines below:") == 1
     lines = re.findall(r"step \d+/80 \| reward .*", out)
     assert len(lines) == 40 and all("(correctness " in line and ", format " in line for line in lines)
+
+    # the end-of-run summary says the same: first vs last pass over the prompts, and the held-out result
+    summary = re.search(r"done: 40 RL steps, optimizer step 80, in .*\n  train: +correctness ([\d.]+) -> ([\d.]+)", out)
+    assert summary is not None, out[-3000:]
+    assert (float(summary.group(1)), float(summary.group(2))) == pytest.approx((first, last), abs=1.5e-3)
+    assert re.search(r"\n  held-out: +correctness [\d.]+, format [\d.]+ at step 80", out)
 
     # the drafter was co-trained, checkpointed, and exports as the README says
     drafter_steps = [float(r["drafter/steps"]) for r in csv.DictReader(open(path)) if r.get("drafter/steps")]
