@@ -3,7 +3,8 @@
 Runs ``lightning-tlt fit --config configs/demo_cpu.yaml`` as the README does, and beside it the same
 command with the learning rate at ``--control-lr`` (1e-12: the same rollouts, rewards, speculation
 and co-training, but updates too small to move the policy), for each of ``--seeds`` (the config's
-``seed_everything``; the warm start is the same cached one). Correctness is compared between the
+``seed_everything`` and ``data.seed``, which keys the prompts' order and the rollouts' sampling noise;
+the warm-started policy is the same cached one). Correctness is compared between the
 first and the last pass over the task's 128 prompts (RL steps 1-8 and 33-40), as
 ``tests/rl/test_grpo_demo.py`` does.
 
@@ -38,6 +39,7 @@ def run(config: Path, seed: int, lr: float | None, work: Path) -> dict[str, Any]
     """One fit; its correctness per RL step, from its metrics CSV."""
     name = f"seed{seed}_{'trained' if lr is None else 'control'}"
     argv = [sys.executable, "-m", "lightning_tlt.cli", "fit", "--config", str(config), f"--seed_everything={seed}",
+            f"--data.seed={seed}",
             f"--trainer.logger.init_args.save_dir={work / name}", f"--trainer.default_root_dir={work / name}",
             "--trainer.enable_progress_bar=false"]  # fmt: skip
     if lr is not None:
