@@ -259,13 +259,13 @@ class DrafterCoTrainCallback(Callback):
                 f"(feature_layers={self.drafter.feature_layers!r}) is trained offline: use feature_layers=None"
             )
         if self.learner is None or self.learner.drafter is not self.drafter:  # a second fit keeps its optimizer
-            self.buffer.device = self.drafter.fc.weight.device
-            self.buffer.dtype = compute_dtype or self.drafter.embed_weight.dtype  # compact: the compute dtype
+            if self.buffer.features is None:  # compact: in the compute dtype, beside the drafter
+                self.buffer.place(self.drafter.fc.weight.device, compute_dtype or self.drafter.embed_weight.dtype)
             self.learner = DrafterTrainer(self.drafter, self.buffer, cfg, compute_dtype)
         elif compute_dtype is not None and compute_dtype != self.learner.compute_dtype:
             self.learner.set_compute_dtype(compute_dtype)
             if self.buffer.features is None:  # storage not allocated yet: it takes the new dtype
-                self.buffer.dtype = compute_dtype
+                self.buffer.place(self.buffer.device or self.drafter.fc.weight.device, compute_dtype)
         if self._pending_state is not None:
             self._restore(self._pending_state)
             self._pending_state = None

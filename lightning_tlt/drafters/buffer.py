@@ -87,6 +87,16 @@ class FeatureReplayBuffer:
         self.completion: Tensor | None = None  # (C,) bool
 
     # ------------------------------------------------------------------ storage
+    def place(self, device: torch.device | str, dtype: torch.dtype | None = None) -> None:
+        """Where the features will be stored (and in which dtype; ``None``: the first features' own).
+
+        Before the first `add` only: the storage is allocated there then, and never moved.
+        """
+        if self.features is not None:
+            raise RuntimeError(f"FeatureReplayBuffer.place: the buffer is allocated already (on {self.device}); "
+                               "place it before the first add")  # fmt: skip
+        self.device, self.dtype = torch.device(device), dtype
+
     def _allocate(self, feature_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.dtype = self.dtype or dtype
         self.device = self.device or device
