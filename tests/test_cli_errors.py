@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from test_cli import tiny_config
 
 from lightning_tlt.cli import main
 from lightning_tlt.config_errors import ConfigError, negative_numbers_as_values, summarize
-from tests.test_cli import tiny_config
 
 ROOT = Path(__file__).parent.parent
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_cli import tiny_config
 
 from lightning_tlt.callbacks.rollout_metrics import run_summary
-from tests.test_cli import tiny_config
 
 ROOT = Path(__file__).parent.parent.parent
 _ESCAPE = re.compile(r"\x1b\[([?\d;]*)([A-Za-z])")
