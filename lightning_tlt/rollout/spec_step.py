@@ -271,6 +271,19 @@ class SpeculativeStep:
         self._k_prev = k
         return self._read_back(st, active, k)
 
+    def compile_ahead(
+        self, ctx: StepContext, batch: int, k: int, sampling: SamplingKey, drafter: EagleDrafter, kv_len: int | None
+    ) -> None:
+        """Run ``drafter``'s step once, uncaptured, so that its functions compile now (the caller
+        snapshots the state before and restores it after: the step's writes are undone)."""
+        st = ctx.state
+        assert st.spec is not None
+        self._check_features(st, drafter)
+        st.ensure_drafter_cache(drafter.num_kv_heads, drafter.head_dim, ctx.cache.max_seq_len,
+                                drafter.fc.weight.dtype)
+        st.spec.cu_fresh.zero_()  # every row takes the one-true-row path: no stale block is read
+        self._eagle_step(ctx, batch, k, self.max_k + 1, sampling, drafter, kv_len)
+
     def _check_features(self, st: SlotState, drafter: EagleDrafter) -> None:
         width = st.hidden.shape[1]
         expected = drafter.config.hidden_size * (len(drafter.feature_layers) if drafter.feature_layers else 1)

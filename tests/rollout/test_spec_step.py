@@ -377,6 +377,46 @@ def test_each_step_function_compiles_once_for_every_bucket_and_draft_length(
     assert engine.compile_failures == []
 
 
+def test_a_staged_drafter_compiles_with_the_first_speculation_and_not_at_its_hand_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # measured on the H200 (2026-12-05): the EAGLE drafter's step functions compiled at its hand-over, in
+    # RL step 2 (35 s cold, 11.5 s on a warm restart), inside the steady window. A staged drafter now
+    # compiles them at the suffix drafter's first speculative step (one EAGLE step on the live state,
+    # undone): the rollouts are those of an engine with nothing staged, and the hand-over compiles nothing
+    torch._dynamo.reset()
+    compiled = _recording_compile(monkeypatch)
+    policy = build_model("qwen2", "tiny", seed=0)
+    spec = SpeculativeConfig(method="suffix", num_draft_tokens=3, threshold=16, hysteresis_steps=1)
+    prompts = [[3, 17, 25, 9, 40, 11][: 3 + i % 4] for i in range(8)]
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=90, stop_token_ids=[5])
+    firsts, compiled_after = [], []
+    for staged in (True, False):
+        engine = RolloutEngine(policy, max_batch_size=32, max_seq_len=200, compile=True, use_cuda_graphs=False,
+                               speculative=spec, compile_cache=False)  # fmt: skip
+        drafter = EagleDrafter.from_target(policy, generator=torch.Generator().manual_seed(1))
+        if staged:
+            engine.stage_drafter(drafter)
+        firsts.append([engine.generate(prompts, cfg, num_samples=4, generator=torch.Generator().manual_seed(seed))
+                       for seed in (2, 3)])  # the suffix drafter has rollouts to draft from in the second
+        assert isinstance(engine.drafter, SuffixDrafter) and engine.last_stats["spec/steps"] > 0
+        if staged:
+            assert {"catch_up_rows", "draft_sample"} <= set(compiled), compiled  # compiled with the suffix's steps
+        before = len(compiled)
+        engine.set_drafter(drafter)
+        eagle_steps = 0.0
+        for call in range(3):
+            engine.generate(prompts, cfg, num_samples=4, generator=torch.Generator().manual_seed(4 + call))
+            eagle_steps += engine.last_stats.get("spec/steps", 0.0)
+        assert eagle_steps > 0 and isinstance(engine.drafter, EagleDrafter)
+        compiled_after.append(compiled[before:])
+        assert engine.compile_failures == []
+    assert compiled_after[0] == [], compiled_after[0]  # the hand-over found every EAGLE function compiled
+    assert {"catch_up_rows", "draft_sample"} <= set(compiled_after[1])  # without staging, it compiled them
+    for with_staged, without in zip(*firsts):
+        assert with_staged.completion_ids == without.completion_ids and with_staged.logprobs == without.logprobs
+
+
 def test_capturing_draws_nothing_the_rollouts_see(monkeypatch: pytest.MonkeyPatch) -> None:
     # a capture runs the live step (warm-up, capture) from a snapshot and restores it, the generator
     # included: a call that captures samples what the same call replaying its graphs samples
