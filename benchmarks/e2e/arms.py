@@ -232,6 +232,9 @@ def run_lightning(
     ``time_limit_s`` of this call (loading, compiling and capturing included)."""
     deadline = time.perf_counter() + time_limit_s
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    # every run traces its own step functions, as a restarted process would: a and b alike, whichever ran
+    # first in this process (Inductor's on-disk caches stay: a restart on the same machine)
+    torch._dynamo.reset()
     # float32 master weights trained under bf16 autocast, rollouts from the engine's bf16 copy of them
     # (the datamodule's default under bf16-mixed); "bfloat16": the weights themselves in bf16, where
     # AdamW steps of 1e-5 leave most of them unchanged (this run's first H200 measurement trained so)
@@ -315,6 +318,7 @@ def run_lightning(
         "steps": recorder.steps,
         "graph_stats": dict(graphs) if isinstance(graphs, dict) else None,
         "error": error,
+        "start": "dynamo_reset",  # traced afresh (see above); earlier units' runs did not: they shared traces
         "provenance": provenance(args.commit, policy_dir),
     }
     del trainer, module, data, policy, callbacks, recorder

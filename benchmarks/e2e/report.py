@@ -94,6 +94,11 @@ def summarize(runs: list[dict[str, Any]], skip: int) -> dict[str, Any]:
         "graph_captures": statistics.fmean(sum(s.get("graph_captures", math.nan) for s in r["steps"]) for r in runs),
         "capture_s": statistics.fmean(sum(s.get("capture_s", math.nan) for s in r["steps"]) for r in runs),
         "capture_s_per_step": statistics.fmean(s.get("capture_s", 0.0) for s in steps),  # steady steps
+        # Dynamo and Inductor seconds inside the steady steps, per run: 0 when compiling stayed in the first
+        # steps (issue 29; the e2e's a compiled its EAGLE drafter in step 2 until 2026-12-05)
+        "steady_compile_s": statistics.fmean(sum(s.get("compile_s", 0.0) for s in (r["steps"][skip:] or r["steps"]))
+                                             for r in runs),
+        "compile_s": statistics.fmean(sum(s.get("compile_s", 0.0) for s in r["steps"]) for r in runs),
     }
     # the co-training figures (issues 14 and 31) where the steps hold them (a; b has none): means over
     # the steady steps that measured them
@@ -280,6 +285,8 @@ def section(runs: list[dict[str, Any]], trl_runs: list[dict[str, Any]], skip: in
 
 COMPUTED = ("summary", "ratios", "per_seed", "no_accuracy_loss")
 """A section's keys computed from its units (never written by hand)."""
+FORMAT_3_KEYS = ("steady_compile_s", "compile_s")
+"""Summary keys added in format 3: a format-2 report is recomputed without them."""
 
 
 def recompute(report: dict[str, Any]) -> dict[str, Any]:
@@ -289,6 +296,11 @@ def recompute(report: dict[str, Any]) -> dict[str, Any]:
     if report.get("capped") is not None:
         capped = report["capped"]
         out["capped"] = {"max_new": capped["max_new"], **section(capped["runs"], capped["trl_runs"], skip)}
+    if report.get("format", 1) < 3:
+        for part in (out, out.get("capped") or {}):
+            for summary in part.get("summary", {}).values():
+                for key in FORMAT_3_KEYS:
+                    summary.pop(key, None)
     return out
 
 

@@ -32,8 +32,9 @@ again when a call's budget allows, and replaced only by one with more steps)."""
 TRL_GENERATION = "bfloat16"
 """c's weights, and so its HF ``generate``, in bf16 like a and b's rollouts (runs of float32
 generation, before the report's format 2, are keyed apart and never reused)."""
-FORMAT = 2
-"""The report's format: 2, units with provenance and the report recomputed from them (`report.recompute`)."""
+FORMAT = 3
+"""The report's format: 2, units with provenance and the report recomputed from them (`report.recompute`);
+3, each run traced afresh (``start``) and the summary's compile seconds (`report.FORMAT_3_KEYS`)."""
 WORKLOAD_KEYS = ("arch", "smoke", "sft_steps", "sft_batch", "sft_lr", "sft_max_length", "sft_batch_tokens",
                  "sft_max_time_s")
 

@@ -107,11 +107,27 @@ def test_the_bootstrap_interval_is_seeded_and_covers_the_estimate(e2e: ModuleTyp
     assert short["ratios"]["a_over_b_step"] == 2.0 and short["ratios"]["a_over_b_step_ci95"] is None
 
 
+def test_compile_seconds_in_the_steady_steps_are_reported_and_format_2_reports_recompute_without_them(
+    e2e: ModuleType,
+) -> None:
+    from e2e.report import recompute
+
+    a = _unit("tlt", 0, [9, 5, 2, 2, 3])
+    for step, compiled in zip(a["steps"], [6.0, 1.0, 0.5, 0.0, 0.25]):
+        step["compile_s"] = compiled
+    b = _unit("nospec", 0, [5, 4, 4, 5, 4])  # steps without the key (older units): nothing compiled
+    summary = e2e.section([a, b], [], skip=2)["summary"]
+    assert summary["tlt"]["steady_compile_s"] == 0.75 and summary["tlt"]["compile_s"] == 7.75
+    assert summary["nospec"]["steady_compile_s"] == 0.0
+    old = recompute({"format": 2, "args": {"skip": 2}, "runs": [a, b], "trl_runs": []})["summary"]["tlt"]
+    assert "steady_compile_s" not in old and "compile_s" not in old and old["step_s"] == summary["tlt"]["step_s"]
+
+
 def test_a_hand_edit_or_a_unit_without_provenance_is_found(e2e: ModuleType, tmp_path: Path) -> None:
     from e2e.report import differences
 
     runs, trl = [_unit("tlt", 0, [10, 4, 2, 2, 3]), _unit("nospec", 0, [5, 4, 4, 5, 4])], [_trl([30.0, 10.0, 12.0])]
-    report = {"format": 2, "args": {"skip": 2}, **e2e.section(runs, trl, 2), "runs": runs, "trl_runs": trl,
+    report = {"format": 3, "args": {"skip": 2}, **e2e.section(runs, trl, 2), "runs": runs, "trl_runs": trl,
               "capped": {"max_new": 1024, **e2e.section(runs[:1], [], 2), "runs": runs[:1], "trl_runs": []}}
     path = tmp_path / "r.json"
     path.write_text(json.dumps(report, default=float))
@@ -268,7 +284,8 @@ def test_the_whole_pipeline_writes_a_report_its_units_give(e2e: ModuleType, tmp_
         assert run.returncode == 0, run.stderr[-3000:]
         print(f"smoke call: {time.perf_counter() - t0:.1f} s")
         report = json.loads(out.read_text())
-        assert report["format"] == 2 and differences(report) == []
+        assert report["format"] == 3 and differences(report) == []
+        assert all(unit["start"] == "dynamo_reset" for unit in report["runs"])
         return report
 
     first = call("--trl-budget-s", "0.01")  # the next TRL step never fits: one step each
