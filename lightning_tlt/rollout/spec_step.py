@@ -50,7 +50,6 @@ from torch import Tensor
 
 from lightning_tlt.core.kv_cache import KVCache
 from lightning_tlt.core.runner import rope_cos_sin
-from lightning_tlt.core.sampling import NOISE_DRAFT, NOISE_SAMPLE
 from lightning_tlt.drafters.base import DraftProposal
 from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.drafters.suffix import SuffixDrafter
@@ -305,7 +304,6 @@ class SpeculativeStep:
         head, bias, ids = self._head
         keys = None if sampling.greedy else st.keys[:batch]
         count = st.num_generated[:batch]  # draft j is the row's token at completion position count + j
-        purpose = NOISE_SAMPLE if self.coupled else NOISE_DRAFT
         # rows whose last step was plain (or new rows): one true row, the newest feature + pending token
         # (after a plain step `run` has cleared every slot's flag: no catch-up block is current)
         fresh = spec.cu_fresh[:batch] & ~st.finished[:batch]  # padding rows: stale blocks are never read
@@ -335,7 +333,7 @@ class SpeculativeStep:
                 p = width + j - 1
                 feature = self._chain_row(drafter, feature, token, chain_pos[:, p : p + 1], dk, dv, hole,
                                           cos[:, p : p + 1], sin[:, p : p + 1], ctx.attention)
-            index, q = self._draft_sample(feature, head, bias, keys, count + j, purpose, ids, sampling)
+            index, q = self._draft_sample(feature, head, bias, keys, count + j, self.coupled, ids, sampling)
             token = index if ids is None else ids[index]
             probs.append(q)
             indices.append(index)

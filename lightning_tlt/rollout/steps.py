@@ -26,7 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_tlt.core.sampling import NOISE_SAMPLE, keyed_exponential, processed_probs, sample_with_noise
+from lightning_tlt.core.sampling import (
+    NOISE_DRAFT,
+    NOISE_SAMPLE,
+    keyed_exponential,
+    processed_probs,
+    sample_with_noise,
+)
 from lightning_tlt.rollout.slot_state import SlotState
 from lightning_tlt.rollout.verify import verify_chain, verify_coupled
 
@@ -224,7 +230,7 @@ def draft_sample(
     bias: Tensor | None,
     keys: Tensor | None,
     positions: Tensor,
-    purpose: int,
+    coupled: bool,
     columns: Tensor | None,
     sampling: SamplingKey,
 ) -> tuple[Tensor, Tensor]:
@@ -236,8 +242,11 @@ def draft_sample(
         bias: ``(Vd,)`` or ``None``.
         keys: ``(B,)`` the rows' noise keys, ``None`` when greedy (argmax).
         positions: ``(B,)`` completion position of the drafted token.
-        purpose: the noise stream: `NOISE_SAMPLE` races with the verifier's own numbers (coupled
-            verification: the Gumbel coupling), `NOISE_DRAFT` with independent ones (rejection sampling).
+        coupled: the noise stream: coupled verification races with the verifier's own numbers
+            (`NOISE_SAMPLE`: the Gumbel coupling), rejection sampling with independent ones
+            (`NOISE_DRAFT`). A bool, which Dynamo specialises: an int stream id would be a symbolic
+            size under ``dynamic=True``, and Inductor's CPU vectorizer typed the hash mixing it as
+            float (a C++ compile error, torch 2.13).
         columns: ``(Vd,)`` target ids of the draft vocabulary (``None``: the whole vocabulary): column
             ``c`` draws the noise of token ``columns[c]``.
 
@@ -250,4 +259,5 @@ def draft_sample(
     if sampling.greedy or keys is None:
         return q.argmax(-1), q
     ids = torch.arange(q.shape[-1], device=q.device) if columns is None else columns
+    purpose = NOISE_SAMPLE if coupled else NOISE_DRAFT
     return sample_with_noise(q, keyed_exponential(keys, positions, purpose, ids)), q

@@ -112,3 +112,23 @@ def test_rejection_verification_stays_the_default() -> None:
     assert SpeculativeConfig(method="suffix").verification == "rejection"
     with pytest.raises(ValueError, match="verification"):
         SpeculativeConfig(method="suffix", verification="maximal")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("coupled", [False, True])
+def test_the_draft_sample_compiles_with_inductor_and_draws_what_eager_draws(coupled: bool) -> None:
+    # found on 2026-12-05: with the noise stream an int argument, Dynamo made it a symbolic size under
+    # dynamic=True and Inductor's CPU vectorizer typed the hash mixing it as float (a C++ compile error);
+    # the engine then ran every step uncompiled. The stream is chosen by a bool now, which Dynamo specialises
+    from lightning_tlt.rollout.steps import SamplingKey, compile_settings, draft_sample
+
+    torch._dynamo.reset()
+    compiled = torch.compile(draft_sample, fullgraph=True, dynamic=True)
+    gen = torch.Generator().manual_seed(0)
+    feature, head = torch.randn(4, 32, generator=gen), torch.randn(64, 32, generator=gen)
+    keys, positions, ids = torch.arange(4) * 7919 + 5, torch.arange(4), torch.randperm(64, generator=gen)
+    key = SamplingKey(1.0, 0, 1.0)
+    with compile_settings():
+        for columns in (ids, None):
+            index, q = compiled(feature, head, None, keys, positions, coupled, columns, key)
+            want_index, want_q = draft_sample(feature, head, None, keys, positions, coupled, columns, key)
+            assert torch.equal(index, want_index) and torch.allclose(q, want_q)
