@@ -372,9 +372,11 @@ class RolloutEngine:
         While a model-free drafter speculates (TLT's cold start: the suffix drafter until the EAGLE
         drafter's acceptance beats it), the engine keeps a frozen copy of ``drafter`` under a graph
         handle of its own; publishing copies the weights into that copy, so the graphs captured for
-        it stay valid across every later publication. Nothing drafts with it until then, and nothing
-        is compiled or captured for it ahead of use: its step functions compile on their first use
-        (once, for every batch bucket and draft length) and each profile is captured when first met.
+        it stay valid across every later publication. Nothing drafts with it until then. Its step
+        functions are compiled (once, for every batch bucket and draft length) at the first
+        speculative step of the drafter it will take over from, so that its hand-over, typically an
+        RL step or two later, compiles nothing; no graph is captured for it ahead of use: each
+        profile is captured when first met.
 
         Args:
             drafter: the drafter to be published (a training drafter is copied, never held).
