@@ -902,7 +902,7 @@ class RolloutEngine:
         batch = graphs.bucket(n)
         kv_len = self._kv_len(run, active, k + 1)
         if self._staged is not None and not self._staged_compiled and self._compiled:
-            self._compile_staged(batch, k, key, kv_len)
+            self._compile_staged(batch, key, kv_len)
         timing = self._tuner.start(k, n) if self._tuner is not None else None
         t0, captures = time.perf_counter(), self._captures
         new_tokens = self._spec_step.run(self._context(), active, batch, k, key, self._drafter,
@@ -919,25 +919,29 @@ class RolloutEngine:
         self._account(run, "speculative", emitted, dt, k)
         run.last = time.perf_counter()
 
-    def _compile_staged(self, batch: int, k: int, sampling: SamplingKey, kv_len: int | None) -> None:
+    def _compile_staged(self, batch: int, sampling: SamplingKey, kv_len: int | None) -> None:
         """Compile the staged EAGLE drafter's step functions now, at the first speculative step of the
         model-free drafter it will take over from: its hand-over (a later RL step, once the drafter is
-        published) then captures graphs only, and no compile lands in the steady steps. One EAGLE step
-        runs on the live state and is undone, as a capture's warm-up runs are; nothing is captured."""
+        published) then captures graphs only, and no compile lands in the steady steps. An EAGLE step of
+        one draft token and one of two (the two versions every draft length needs) run on the live state
+        and are undone, as a capture's warm-up runs are; nothing is captured."""
         assert self._staged is not None and self._state is not None and self._spec_step is not None
         self._staged_compiled = True  # once, whatever happens below
         drafter = self._staged[0]
-        reset = self._state.snapshot()
         self._tracker.before_capture(self._graphs.stats if self._graphs is not None else None,
                                      f"the staged EAGLE drafter's step over {batch} rows")
-        try:
-            with self._compiling():
-                self._spec_step.compile_ahead(self._context(), batch, k, sampling, drafter, kv_len)
-        except Exception as err:  # the hand-over compiles (or falls back) as it would have without this
-            warnings.warn(f"compiling the staged drafter's step ahead failed ({err!r}); it compiles at its "
-                          "hand-over instead", stacklevel=2)
-        finally:
-            reset()
+        # a draft of one token is a version of its own (Dynamo specialises size 1), longer ones share one
+        for length in sorted({1, min(2, self.max_draft_tokens)}):
+            reset = self._state.snapshot()
+            try:
+                with self._compiling():
+                    self._spec_step.compile_ahead(self._context(), batch, length, sampling, drafter, kv_len)
+            except Exception as err:  # the hand-over compiles (or falls back) as it would have without this
+                warnings.warn(f"compiling the staged drafter's step ahead failed ({err!r}); it compiles at its "
+                              "hand-over instead", stacklevel=2)
+                return
+            finally:
+                reset()
 
     def _flags(self, snapshot: list[Request], phase: str, k: int = 0) -> _Pending:
         """Start the copy of the step's finish flags (and emitted counts) to the host, without waiting."""

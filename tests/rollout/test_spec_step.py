@@ -377,6 +377,42 @@ def test_each_step_function_compiles_once_for_every_bucket_and_draft_length(
     assert engine.compile_failures == []
 
 
+def test_compiling_a_staged_drafter_ahead_covers_every_draft_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    # measured on the H200 (2026-12-05, `TORCH_LOGS=recompiles`): with the staged drafter compiled ahead at
+    # one draft length, verify_update still recompiled in RL step 2 (14.5 s cold). A draft of one token is
+    # a version of its own (Dynamo specialises size 1), so the engine compiles ahead at 1 and at 2 tokens;
+    # then no batch bucket or draft length up to the longest compiles anything
+    from lightning_tlt.rollout.steps import compile_settings
+
+    torch._dynamo.reset()
+    compiled = _recording_compile(monkeypatch)
+    model = build_model("qwen2", "tiny", seed=0)
+    config = SpeculativeConfig(method="suffix", threshold=16, hysteresis_steps=1, draft_vocab_size=64)
+    engine = RolloutEngine(model, max_seq_len=64, max_batch_size=16, compile=True, use_cuda_graphs=False,
+                           speculative=config, compile_cache=False, fuse_projections=False)  # fmt: skip
+    engine.stage_drafter(EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(1)))
+    engine._ensure_buffers()
+    assert engine._spec_step is not None and engine._state is not None and engine._staged is not None
+    engine._spec_step.begin(model.lm_head)
+    st = engine._state
+    st.begin([], 20)
+    st.finished[:] = False
+    st.positions.fill_(10)
+    key, longest = SamplingKey(1.0, 0, 1.0), engine.max_draft_tokens
+    assert longest > 3
+    with torch.inference_mode():  # as in generate
+        engine._compile_staged(4, key, None)
+        assert {"catch_up_rows", "chain_row", "draft_sample", "verify_update"} <= set(compiled), compiled
+        ahead = len(compiled)
+        drafter = engine._staged[0]
+        with compile_settings():  # as the engine runs its steps
+            for batch in (4, 2, 8):
+                for k in (1, 2, 3, longest):
+                    engine._spec_step._eagle_step(engine._context(), batch, k, longest + 1, key, drafter, None)
+    assert compiled[ahead:] == [], compiled[ahead:]
+    assert engine.compile_failures == []
+
+
 def test_a_staged_drafter_compiles_with_the_first_speculation_and_not_at_its_hand_over(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
