@@ -309,3 +309,23 @@ def test_the_whole_pipeline_writes_a_report_its_units_give(e2e: ModuleType, tmp_
             assert unit["provenance"]["commit"] == "feedbeef" and unit["provenance"]["measured"] is True
             assert unit["provenance"]["warm_start"]["policy"] == report["warm_start"]["policy"]["dir"]
     assert report["capped"]["max_new"] == 32 and report["args"]["max_new"] == 48
+
+
+def test_the_figures_of_units_without_a_report_are_those_a_report_computes(
+    e2e: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from e2e.figures import main as figures
+
+    runs = [_unit("tlt", 0, [10, 4, 2, 2, 3]), _unit("nospec", 0, [5, 4, 4, 5, 4]), _unit("nospec", 1, [5, 4, 4])]
+    paths = []
+    for run in runs:
+        paths.append(tmp_path / f"{run['name']}_{run['seed']}.json")
+        paths[-1].write_text(json.dumps(run))
+    results = figures([str(p) for p in paths])
+    assert json.dumps(results, default=float) == json.dumps(e2e.section(runs, [], 2), default=float)
+    assert results["per_seed"]["0"]["a_over_b_step"] == pytest.approx(13 / 7)  # b's steps 2-4 over a's
+    out = capsys.readouterr().out
+    assert "3 units (tlt/seed0, nospec/seed0, nospec/seed1) on cpu at abc" in out and "a_over_b_step" in out
+    paths[0].write_text(json.dumps({**runs[0], "name": "trl"}))
+    with pytest.raises(SystemExit, match=r"units must be runs of a \(tlt\) or b \(nospec\), got \['trl'\]"):
+        figures([str(p) for p in paths])
