@@ -84,11 +84,9 @@ def smoke_workload(args: argparse.Namespace) -> None:
 
 def workload_policy(args: argparse.Namespace, device: str, dtype: torch.dtype) -> tuple[Any, Any]:
     """The warm-started policy of the workload flags (cached), on ``device`` in ``dtype``, and its tokenizer."""
+    from e2e.workload import warm_start_config
+
     from lightning_tlt.rl.warmstart import warm_start
 
-    policy, tokenizer = warm_start(args.task, args.arch, args.size, difficulty=args.difficulty, seed=0,
-                                   steps=args.sft_steps, batch_size=args.sft_batch, lr=args.sft_lr,
-                                   max_length=args.sft_max_length, batch_tokens=args.sft_batch_tokens,
-                                   max_time_s=args.sft_max_time_s, cache_dir=args.cache_dir, device=device,
-                                   progress=False)
+    policy, tokenizer = warm_start(warm_start_config(args, device))
     return policy.to(device=device, dtype=dtype).eval(), tokenizer

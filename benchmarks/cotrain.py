@@ -134,12 +134,12 @@ def build_policy(args: argparse.Namespace, device: str) -> torch.nn.Module:
 
         return AutoModelForCausalLM.from_pretrained(args.policy_dir, dtype=dtype).to(device)
     if args.sft_steps > 0:
-        from lightning_tlt.rl.warmstart import warm_start
+        from lightning_tlt.rl.warmstart import WarmStartConfig, warm_start
 
-        model, _ = warm_start(
+        model, _ = warm_start(WarmStartConfig(
             args.task, args.arch, args.size, difficulty=args.difficulty, steps=args.sft_steps, lr=args.sft_lr,
             cache_dir=args.cache_dir, device=device, progress=False,
-        )  # fmt: skip
+        ))  # fmt: skip
     else:
         from lightning_tlt.models.zoo import build_model
 

@@ -28,7 +28,7 @@ from .workload import (
     stage_dir,
     warm_drafter,
     warm_policy,
-    warm_start_kwargs,
+    warm_start_config,
     workload_key,
 )
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise ValueError(f"--carry {args.carry}: its workload {old.get('workload')!r} is not this call's "
                          f"{workload_key(args)!r}")
 
-    policy_dir = warm_start_dir(args.task, args.arch, args.size, **warm_start_kwargs(args))
+    policy_dir = warm_start_dir(warm_start_config(args))
     warm: dict[str, Any] = {}
     drafter_dir: Path | None = stage_dir(args, policy_dir, "drafter") / "drafter"
     if stages:

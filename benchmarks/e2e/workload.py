@@ -14,7 +14,7 @@ import torch
 
 from lightning_tlt.core.types import SamplingConfig
 from lightning_tlt.models.tokenizer import encode_prompt
-from lightning_tlt.rl.warmstart import warm_start, warm_start_dir, warm_start_metadata
+from lightning_tlt.rl.warmstart import WarmStartConfig, warm_start, warm_start_dir, warm_start_metadata
 from lightning_tlt.tasks import get_task
 
 from .options import E2EOptions
@@ -102,8 +102,13 @@ def grpo_settings(args: E2EOptions) -> dict[str, Any]:
     }
 
 
-def warm_start_kwargs(args: E2EOptions) -> dict[str, Any]:
-    return dict(
+def warm_start_config(args: E2EOptions | Any, device: str = "cpu") -> WarmStartConfig:
+    """The policy's warm start of the workload options (`E2EOptions`, or the flags of
+    ``_common.add_workload_flags``, which have the same names); ``device`` does not change the cache key."""
+    return WarmStartConfig(
+        task=args.task,
+        arch=args.arch,
+        size=args.size,
         difficulty=args.difficulty,
         seed=0,
         steps=args.sft_steps,
@@ -113,6 +118,8 @@ def warm_start_kwargs(args: E2EOptions) -> dict[str, Any]:
         batch_tokens=args.sft_batch_tokens,
         max_time_s=args.sft_max_time_s,
         cache_dir=args.cache_dir,
+        device=device,
+        progress=False,
     )
 
 
@@ -165,12 +172,12 @@ def load_policy(policy_dir: Path, device: str, dtype: torch.dtype) -> torch.nn.M
 
 def warm_policy(args: E2EOptions, device: str) -> tuple[Path, dict[str, Any]]:
     """The SFT-warm-started policy (cached by `warm_start`); says whether it was recomputed."""
-    kwargs = warm_start_kwargs(args)
-    directory = warm_start_dir(args.task, args.arch, args.size, **kwargs)
+    config = warm_start_config(args, device)
+    directory = warm_start_dir(config)
     cached = (directory / "warmstart.json").is_file()
     log(f"policy warm start: {'cached' if cached else 'training'} ({directory.name})")
     t0 = time.perf_counter()
-    model, _ = warm_start(args.task, args.arch, args.size, device=device, progress=False, **kwargs)
+    model, _ = warm_start(config)
     del model
     free()
     meta = warm_start_metadata(directory)
