@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,3 +93,70 @@ def workload_policy(args: argparse.Namespace, device: str, dtype: torch.dtype) -
 
     policy, tokenizer = warm_start(warm_start_config(args, device))
     return policy.to(device=device, dtype=dtype).eval(), tokenizer
+
+
+@dataclass
+class WarmDrafter:
+    """What `warm_drafter` made: the rollouts it trained on, the offline training's result, and their times."""
+
+    output: Any
+    """The policy's rollouts (`RolloutOutput`)."""
+    result: Any
+    """`lightning_tlt.drafters.offline.OfflineTrainResult` (the drafter, steps, held-out acceptance before/after)."""
+    rollout_s: float
+    """Seconds of the engine's build and its ``generate``."""
+    train_s: float
+    """Seconds of the drafter's training (synchronized)."""
+
+
+def warm_drafter(
+    policy: torch.nn.Module,
+    prompts: list[list[int]],
+    out_dir: Path,
+    *,
+    samples: int,
+    max_new: int,
+    steps: int,
+    config: Any,
+    rollout_seed: int,
+    seed: int = 0,
+    on_rollouts: Callable[[Any, float], None] | None = None,
+) -> WarmDrafter:
+    """An EAGLE drafter trained offline on ``policy``'s own rollouts (TLT's drafter warm-up), saved to ``out_dir``.
+
+    ``samples`` rollouts of each prompt at temperature 1 (``max_new`` tokens at most, noise seeded with
+    ``rollout_seed``), then ``steps`` updates of `train_drafter` (``config``: a `DrafterTrainConfig`; ``seed``:
+    the drafter's init and the buffer's draws), the same captured step the co-training callback replays in the
+    stalls. The drafter is saved as its inference copy (in the policy's dtype, as the engine drafts).
+    ``on_rollouts(output, rollout_s)`` runs between the two (the engine is freed by then)."""
+    from lightning_tlt.core.types import SamplingConfig
+    from lightning_tlt.drafters.offline import train_drafter
+    from lightning_tlt.rollout.engine import RolloutEngine
+
+    device = next(policy.parameters()).device
+    t0 = time.perf_counter()
+    engine = RolloutEngine(policy, max_batch_size=len(prompts) * samples, max_seq_len=max(map(len, prompts)) + max_new)
+    output = engine.generate(
+        prompts,
+        SamplingConfig(temperature=1.0, max_new_tokens=max_new),
+        num_samples=samples,
+        generator=torch.Generator(device=device).manual_seed(rollout_seed),
+    )
+    rollout_s = time.perf_counter() - t0
+    del engine
+    if on_rollouts is not None:
+        on_rollouts(output, rollout_s)
+    t1 = time.perf_counter()
+    result = train_drafter(
+        policy,
+        [list(p) + list(c) for p, c in zip(output.prompt_ids, output.completion_ids)],
+        [len(p) for p in output.prompt_ids],
+        steps=steps,
+        config=config,
+        seed=seed,
+    )
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    train_s = time.perf_counter() - t1
+    result.drafter.inference_copy().save_pretrained(out_dir)
+    return WarmDrafter(output, result, rollout_s, train_s)

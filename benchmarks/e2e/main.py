@@ -21,12 +21,12 @@ from .report import print_table, section
 from .workload import (
     FORMAT,
     Budget,
+    cached_drafter,
     carry,
     load_json,
     log,
     run_file,
     stage_dir,
-    warm_drafter,
     warm_policy,
     warm_start_config,
     workload_key,
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if warm["policy"]["recomputed"]:
             recomputed.append("policy warm start")
     if stages & {"warmstart", "ab", "cap"}:
-        drafter_dir, warm["drafter"] = warm_drafter(args, policy_dir, device, dtype)
+        drafter_dir, warm["drafter"] = cached_drafter(args, policy_dir, device, dtype)
         if warm["drafter"]["recomputed"]:
             recomputed.append("drafter warm start")
 
