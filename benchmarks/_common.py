@@ -13,6 +13,40 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+CACHE_DIR = str(ROOT / ".cache" / "lightning_tlt")
+"""``--cache-dir``'s default: the warm starts the benchmarks share (git-ignored)."""
+
+_SMOKE_HELP = "tiny sizes on the CPU: a check of the script"
+
+
+def add_common_flags(
+    p: argparse.ArgumentParser,
+    *,
+    seed: int | None = None,
+    cache_dir: bool = False,
+    out: str | None = None,
+    out_default: Any = None,
+    out_type: Callable[[str], Any] | None = None,
+    smoke: str | bool = True,
+) -> None:
+    """The flags the benchmark scripts share, defined once (added after the script's own, in this order).
+
+    Args:
+        p: the script's parser.
+        seed: ``--seed``'s default; ``None``: no ``--seed``.
+        cache_dir: add ``--cache-dir`` (default `CACHE_DIR`).
+        out: ``--out``'s help (where the JSON goes; default ``out_default``, ``None``: `write_results`' path).
+        out_default: ``--out``'s default.
+        out_type: ``--out``'s type (``None``: a string).
+        smoke: ``--smoke``'s help (``True``: the usual one), or ``False``: no ``--smoke``.
+    """
+    if seed is not None:
+        p.add_argument("--seed", type=int, default=seed)
+    if cache_dir:
+        p.add_argument("--cache-dir", default=CACHE_DIR)
+    p.add_argument("--out", type=out_type, default=out_default, help=out)
+    if smoke:
+        p.add_argument("--smoke", action="store_true", help=_SMOKE_HELP if smoke is True else smoke)
 
 
 def write_results(results: dict[str, Any], benchmark: str, *, smoke: bool, cuda: bool, out: str | None = None) -> Path:
@@ -76,7 +110,7 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sft-batch-tokens", type=int, default=e2e.sft_batch_tokens)
     p.add_argument("--sft-max-length", type=int, default=e2e.sft_max_length)
     p.add_argument("--sft-max-time-s", type=float, default=e2e.sft_max_time_s)
-    p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "lightning_tlt"))
+    p.add_argument("--cache-dir", default=CACHE_DIR)
 
 
 def smoke_workload(args: argparse.Namespace) -> None:

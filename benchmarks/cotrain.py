@@ -61,7 +61,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from _common import warm_drafter
+from _common import add_common_flags, warm_drafter
 from lightning.pytorch.callbacks import Callback
 
 from lightning_tlt.callbacks.drafter_cotrain import DrafterCoTrainCallback, DrafterCoTrainConfig
@@ -323,12 +323,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drafter-batch", type=int, default=8)
     p.add_argument("--drafter-max-len", type=int, default=256)
     p.add_argument("--buffer-tokens", type=int, default=262144)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arms", default=",".join(ARMS))
-    p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "lightning_tlt"))
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/, or runs/ with --smoke)")
     p.add_argument("--plot", default=None, help="PNG path (default: docs/img/, or runs/ with --smoke)")
-    p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: a check of the script")
+    add_common_flags(p, seed=0, cache_dir=True, out="JSON path (default: benchmarks/results/, or runs/ with --smoke)")
     args = p.parse_args(argv)
     for flag, path in (("--policy-dir", args.policy_dir), ("--drafter-dir", args.drafter_dir)):
         if path is not None and not (Path(path) / "config.json").is_file():
