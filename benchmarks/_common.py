@@ -4,12 +4,49 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+CACHE_DIR = str(ROOT / ".cache" / "lightning_tlt")
+"""``--cache-dir``'s default: the warm starts the benchmarks share (git-ignored)."""
+
+_SMOKE_HELP = "tiny sizes on the CPU: a check of the script"
+
+
+def add_common_flags(
+    p: argparse.ArgumentParser,
+    *,
+    seed: int | None = None,
+    cache_dir: bool = False,
+    out: str | None = None,
+    out_default: Any = None,
+    out_type: Callable[[str], Any] | None = None,
+    smoke: str | bool = True,
+) -> None:
+    """The flags the benchmark scripts share, defined once (added after the script's own, in this order).
+
+    Args:
+        p: the script's parser.
+        seed: ``--seed``'s default; ``None``: no ``--seed``.
+        cache_dir: add ``--cache-dir`` (default `CACHE_DIR`).
+        out: ``--out``'s help (where the JSON goes; default ``out_default``, ``None``: `write_results`' path).
+        out_default: ``--out``'s default.
+        out_type: ``--out``'s type (``None``: a string).
+        smoke: ``--smoke``'s help (``True``: the usual one), or ``False``: no ``--smoke``.
+    """
+    if seed is not None:
+        p.add_argument("--seed", type=int, default=seed)
+    if cache_dir:
+        p.add_argument("--cache-dir", default=CACHE_DIR)
+    p.add_argument("--out", type=out_type, default=out_default, help=out)
+    if smoke:
+        p.add_argument("--smoke", action="store_true", help=_SMOKE_HELP if smoke is True else smoke)
 
 
 def write_results(results: dict[str, Any], benchmark: str, *, smoke: bool, cuda: bool, out: str | None = None) -> Path:
@@ -73,7 +110,7 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sft-batch-tokens", type=int, default=e2e.sft_batch_tokens)
     p.add_argument("--sft-max-length", type=int, default=e2e.sft_max_length)
     p.add_argument("--sft-max-time-s", type=float, default=e2e.sft_max_time_s)
-    p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "lightning_tlt"))
+    p.add_argument("--cache-dir", default=CACHE_DIR)
 
 
 def smoke_workload(args: argparse.Namespace) -> None:
@@ -84,11 +121,76 @@ def smoke_workload(args: argparse.Namespace) -> None:
 
 def workload_policy(args: argparse.Namespace, device: str, dtype: torch.dtype) -> tuple[Any, Any]:
     """The warm-started policy of the workload flags (cached), on ``device`` in ``dtype``, and its tokenizer."""
+    from e2e.workload import warm_start_config
+
     from lightning_tlt.rl.warmstart import warm_start
 
-    policy, tokenizer = warm_start(args.task, args.arch, args.size, difficulty=args.difficulty, seed=0,
-                                   steps=args.sft_steps, batch_size=args.sft_batch, lr=args.sft_lr,
-                                   max_length=args.sft_max_length, batch_tokens=args.sft_batch_tokens,
-                                   max_time_s=args.sft_max_time_s, cache_dir=args.cache_dir, device=device,
-                                   progress=False)
+    policy, tokenizer = warm_start(warm_start_config(args, device))
     return policy.to(device=device, dtype=dtype).eval(), tokenizer
+
+
+@dataclass
+class WarmDrafter:
+    """What `warm_drafter` made: the rollouts it trained on, the offline training's result, and their times."""
+
+    output: Any
+    """The policy's rollouts (`RolloutOutput`)."""
+    result: Any
+    """`lightning_tlt.drafters.offline.OfflineTrainResult` (the drafter, steps, held-out acceptance before/after)."""
+    rollout_s: float
+    """Seconds of the engine's build and its ``generate``."""
+    train_s: float
+    """Seconds of the drafter's training (synchronized)."""
+
+
+def warm_drafter(
+    policy: torch.nn.Module,
+    prompts: list[list[int]],
+    out_dir: Path,
+    *,
+    samples: int,
+    max_new: int,
+    steps: int,
+    config: Any,
+    rollout_seed: int,
+    seed: int = 0,
+    on_rollouts: Callable[[Any, float], None] | None = None,
+) -> WarmDrafter:
+    """An EAGLE drafter trained offline on ``policy``'s own rollouts (TLT's drafter warm-up), saved to ``out_dir``.
+
+    ``samples`` rollouts of each prompt at temperature 1 (``max_new`` tokens at most, noise seeded with
+    ``rollout_seed``), then ``steps`` updates of `train_drafter` (``config``: a `DrafterTrainConfig`; ``seed``:
+    the drafter's init and the buffer's draws), the same captured step the co-training callback replays in the
+    stalls. The drafter is saved as its inference copy (in the policy's dtype, as the engine drafts).
+    ``on_rollouts(output, rollout_s)`` runs between the two (the engine is freed by then)."""
+    from lightning_tlt.core.types import SamplingConfig
+    from lightning_tlt.drafters.offline import train_drafter
+    from lightning_tlt.rollout.engine import RolloutEngine
+
+    device = next(policy.parameters()).device
+    t0 = time.perf_counter()
+    engine = RolloutEngine(policy, max_batch_size=len(prompts) * samples, max_seq_len=max(map(len, prompts)) + max_new)
+    output = engine.generate(
+        prompts,
+        SamplingConfig(temperature=1.0, max_new_tokens=max_new),
+        num_samples=samples,
+        generator=torch.Generator(device=device).manual_seed(rollout_seed),
+    )
+    rollout_s = time.perf_counter() - t0
+    del engine
+    if on_rollouts is not None:
+        on_rollouts(output, rollout_s)
+    t1 = time.perf_counter()
+    result = train_drafter(
+        policy,
+        [list(p) + list(c) for p, c in zip(output.prompt_ids, output.completion_ids)],
+        [len(p) for p in output.prompt_ids],
+        steps=steps,
+        config=config,
+        seed=seed,
+    )
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    train_s = time.perf_counter() - t1
+    result.drafter.inference_copy().save_pretrained(out_dir)
+    return WarmDrafter(output, result, rollout_s, train_s)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import add_common_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADS, KV_HEADS, HEAD_DIM, LAYERS = 14, 2, 64, 24
@@ -137,8 +138,7 @@ def compiled_graph_check(dtype: torch.dtype) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="CPU, Triton interpreter, correctness only")
-    parser.add_argument("--out", type=Path, default=None)
+    add_common_flags(parser, out_type=Path, smoke="CPU, Triton interpreter, correctness only")
     args = parser.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported (check imports them)

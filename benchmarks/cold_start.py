@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 import torch
-from _common import write_results
+from _common import add_common_flags, write_results
 
 from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig
 from lightning_tlt.drafters.eagle import EagleDrafter
@@ -144,11 +144,10 @@ def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=4224)
     parser.add_argument("--no-spec", action="store_true")
     parser.add_argument("--fused", action="store_true")
-    parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--configs", default="nospec,tlt", help="which of nospec,tlt,b1 to run")
     parser.add_argument("--b1", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=None)
+    add_common_flags(parser)
     args = parser.parse_args()
     if args.child:
         print("RESULT " + json.dumps(child_b1(args) if args.b1 else child(args), default=float), flush=True)

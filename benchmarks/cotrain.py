@@ -61,18 +61,17 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from _common import add_common_flags, warm_drafter
 from lightning.pytorch.callbacks import Callback
 
 from lightning_tlt.callbacks.drafter_cotrain import DrafterCoTrainCallback, DrafterCoTrainConfig
 from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig, StepEvent
 from lightning_tlt.data.datamodule import RolloutDataModule
-from lightning_tlt.data.drafter_data import rollout_sequences, task_prompts
+from lightning_tlt.data.drafter_data import task_prompts
 from lightning_tlt.drafters.eagle import EagleDrafter
-from lightning_tlt.drafters.offline import train_drafter
 from lightning_tlt.drafters.trainer import DrafterTrainConfig
 from lightning_tlt.rl.config import GRPOConfig
 from lightning_tlt.rl.grpo import GRPOModule
-from lightning_tlt.rollout.engine import RolloutEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 ARMS = ("cotrain", "frozen", "shadow", "nospec", "cold")
@@ -134,12 +133,12 @@ def build_policy(args: argparse.Namespace, device: str) -> torch.nn.Module:
 
         return AutoModelForCausalLM.from_pretrained(args.policy_dir, dtype=dtype).to(device)
     if args.sft_steps > 0:
-        from lightning_tlt.rl.warmstart import warm_start
+        from lightning_tlt.rl.warmstart import WarmStartConfig, warm_start
 
-        model, _ = warm_start(
+        model, _ = warm_start(WarmStartConfig(
             args.task, args.arch, args.size, difficulty=args.difficulty, steps=args.sft_steps, lr=args.sft_lr,
             cache_dir=args.cache_dir, device=device, progress=False,
-        )  # fmt: skip
+        ))  # fmt: skip
     else:
         from lightning_tlt.models.zoo import build_model
 
@@ -147,7 +146,7 @@ def build_policy(args: argparse.Namespace, device: str) -> torch.nn.Module:
     return model.to(device=device, dtype=dtype)
 
 
-def warm_drafter(args: argparse.Namespace, device: str, out_dir: Path) -> dict[str, Any]:
+def arms_drafter(args: argparse.Namespace, device: str, out_dir: Path) -> dict[str, Any]:
     """Train the drafter offline on the policy's rollouts of other prompts; save it for every arm
     (``--drafter-dir``: one trained before, e.g. by ``benchmarks/e2e.py``'s warm start, instead)."""
     if args.drafter_dir:
@@ -156,21 +155,17 @@ def warm_drafter(args: argparse.Namespace, device: str, out_dir: Path) -> dict[s
     start = time.perf_counter()
     policy = build_policy(args, device).eval()
     prompts = task_prompts(args.task, args.prompts * 2, difficulty=args.difficulty, seed=args.seed + 1)
-    engine = RolloutEngine(policy, max_seq_len=max(map(len, prompts)) + args.max_new,
-                           max_batch_size=len(prompts) * args.generations // 2)  # fmt: skip
-    sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new)
-    sequences, prompt_lengths = rollout_sequences(
-        engine, prompts, sampling, num_samples=args.generations // 2,
-        generator=torch.Generator(device=device).manual_seed(args.seed + 1),
-    )  # fmt: skip
-    rollout_s = time.perf_counter() - start
+    prepared_s = time.perf_counter() - start
     config = DrafterTrainConfig(batch_size=args.drafter_batch, max_len=args.drafter_max_len,
                                 learning_rate=args.drafter_lr, warmup_steps=10)  # fmt: skip
-    result = train_drafter(policy, sequences, prompt_lengths, steps=args.warm_steps, config=config, seed=args.seed)
-    result.drafter.inference_copy().save_pretrained(out_dir)
+    warm = warm_drafter(
+        policy, prompts, out_dir, samples=args.generations // 2, max_new=args.max_new, steps=args.warm_steps,
+        config=config, rollout_seed=args.seed + 1, seed=args.seed,
+    )  # fmt: skip
+    result = warm.result
     info = {
-        "seconds": time.perf_counter() - start, "rollout_s": rollout_s, "sequences": result.sequences,
-        "steps": result.steps, "heldout_accept_rate_before": result.heldout_before,
+        "seconds": time.perf_counter() - start, "rollout_s": prepared_s + warm.rollout_s,
+        "sequences": result.sequences, "steps": result.steps, "heldout_accept_rate_before": result.heldout_before,
         "heldout_accept_rate_after": result.heldout_after, "dir": str(out_dir),
     }  # fmt: skip
     print(f"drafter warm start: {info['steps']} steps on {info['sequences']} rollouts in {info['seconds']:.1f} s, "
@@ -328,12 +323,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--drafter-batch", type=int, default=8)
     p.add_argument("--drafter-max-len", type=int, default=256)
     p.add_argument("--buffer-tokens", type=int, default=262144)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arms", default=",".join(ARMS))
-    p.add_argument("--cache-dir", default=str(ROOT / ".cache" / "lightning_tlt"))
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/, or runs/ with --smoke)")
     p.add_argument("--plot", default=None, help="PNG path (default: docs/img/, or runs/ with --smoke)")
-    p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: a check of the script")
+    add_common_flags(p, seed=0, cache_dir=True, out="JSON path (default: benchmarks/results/, or runs/ with --smoke)")
     args = p.parse_args(argv)
     for flag, path in (("--policy-dir", args.policy_dir), ("--drafter-dir", args.drafter_dir)):
         if path is not None and not (Path(path) / "config.json").is_file():
@@ -361,7 +353,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     scratch.mkdir(parents=True, exist_ok=True)
     print(f"warm start ({args.size} {args.task}, device {device}) ...", flush=True)
     drafter_dir = Path(args.drafter_dir) if args.drafter_dir else scratch / "warm_drafter"
-    drafter_info = warm_drafter(args, device, drafter_dir)
+    drafter_info = arms_drafter(args, device, drafter_dir)
     # each arm is kept as it ends, keyed by the settings: a later call with the same settings runs the
     # arms not done yet (five arms of 30 long-tail steps at 0.5 B take more than one 10-minute call)
     settings = {k: v for k, v in vars(args).items() if k not in ("arms", "time_budget_s", "out", "plot")}

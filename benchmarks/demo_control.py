@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, write_results
+from _common import ROOT, add_common_flags, write_results
 
 CORRECTNESS = "rewards/countdown_search_correctness/mean"
 STEPS_PER_PASS = 8  # task_size 128 / prompts_per_step 16
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--control-lr", type=float, default=1e-12)
     p.add_argument("--work-dir", type=Path, default=ROOT / ".cache" / "demo_control")
-    p.add_argument("--out", default=None)
+    add_common_flags(p, smoke=False)
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     if not args.config.is_file():

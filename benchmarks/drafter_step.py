@@ -40,7 +40,7 @@ import statistics
 from typing import Any
 
 import torch
-from _common import graph_replay_ms, write_results
+from _common import add_common_flags, graph_replay_ms, write_results
 
 from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig
 from lightning_tlt.drafters.buffer import FeatureReplayBuffer
@@ -83,8 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--side-sms", default="", help="comma-separated SM counts: bf16_vocab on a green context of each")
     p.add_argument("--queue", type=int, default=32,
                    help="drafter steps queued before the timed replays: their work must outlast the replays")
-    p.add_argument("--out", default=None)
-    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU: a check of the script")
+    add_common_flags(p, smoke="tiny model on the CPU: a check of the script")
     args = p.parse_args(argv)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not arms or set(arms) - set(ARMS):

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 import transformers
-from _common import graph_replay_ms
+from _common import add_common_flags, graph_replay_ms
 from transformers import GenerationConfig
 
 from lightning_tlt.core.types import SamplingConfig
@@ -326,8 +326,8 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--no-graphs", action="store_true")
     parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes for a CPU check in seconds")
-    parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/engine_<card>_<date>.json)")
+    add_common_flags(parser, out="JSON path (default: benchmarks/results/engine_<card>_<date>.json)",
+                     smoke="tiny sizes for a CPU check in seconds")
     args = parser.parse_args()
     if args.smoke:
         args.batches, args.new_tokens, args.hf_new_tokens, args.prompt_len = "1,4", 16, 8, 8

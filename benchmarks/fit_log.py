@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, write_results
+from _common import ROOT, add_common_flags, write_results
 
 _NUMBER = r"([-\d.,]+)"
 _FIELDS = {
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--name", required=True, help="the config's name, e.g. grpo_gpu_0.5b")
     p.add_argument("--card", default="cpu", help="where the run ran (the log does not say)")
     p.add_argument("--date", default=None, help="when it ran (ISO date; default: the log file's time)")
-    p.add_argument("--out", default=None)
+    add_common_flags(p, smoke=False)
     p.add_argument("--plots", default=str(ROOT / "docs" / "img"))
     args = p.parse_args(argv)
     if not args.log.is_file():

@@ -31,7 +31,7 @@ import datetime as dt
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from _common import ROOT, write_results
+from _common import ROOT, add_common_flags, write_results
 
 GIB = 1024**3
 
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--micro-batch-tokens", type=int, default=16384)
     p.add_argument("--logit-chunk-tokens", type=int, default=4096)
     p.add_argument("--rollout-tp", type=int, default=1, help="rollouts tensor-parallel over this many ranks (vLLM)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "memory_model.json"))
+    add_common_flags(p, out_default=str(ROOT / "benchmarks" / "results" / "memory_model.json"), smoke=False)
     args = p.parse_args(argv)
     out = args.out
     del args.out

@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 import torch
-from _common import add_workload_flags, smoke_workload, workload_policy, write_results
+from _common import add_common_flags, add_workload_flags, smoke_workload, workload_policy, write_results
 from e2e.options import E2EOptions
 
 from lightning_tlt.core.sampling import NOISE_SAMPLE, keyed_exponential, row_keys
@@ -110,10 +110,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=e2e.generations)
     p.add_argument("--max-new", type=int, default=e2e.max_new)
     p.add_argument("--threshold", type=int, default=e2e.threshold)
-    p.add_argument("--seed", type=int, default=7)
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
-    p.add_argument("--out", default=None)
-    p.add_argument("--smoke", action="store_true")
+    add_common_flags(p, seed=7)
     return p
 
 

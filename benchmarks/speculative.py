@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import add_workload_flags, graph_replay_ms, smoke_workload, workload_policy
+from _common import add_common_flags, add_workload_flags, graph_replay_ms, smoke_workload, workload_policy
 from e2e.options import E2EOptions
 
 from lightning_tlt.callbacks.drafter_cotrain import DrafterCoTrainCallback, DrafterCoTrainConfig
@@ -203,8 +203,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--deterministic", action="store_true",
                    help="the tuner scores draft lengths on a fixed cost model, not measured time "
                         "(SpeculativeConfig.deterministic)")
-    p.add_argument("--out", default=None)
-    p.add_argument("--smoke", action="store_true")
+    add_common_flags(p)
     return p
 
 

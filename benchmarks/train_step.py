@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 import torch
-from _common import write_results
+from _common import add_common_flags, write_results
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from lightning_tlt.models.zoo import build_model
@@ -149,8 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rows", type=int, default=4, help="the rows arm: GRPOConfig.micro_batch_size")
     p.add_argument("--tokens", type=int, default=16384, help="the tokens arm: GRPOConfig.micro_batch_tokens")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--out", default=None)
-    p.add_argument("--smoke", action="store_true", help="the tiny model on the CPU, lengths cut to 60: a check of the script")
+    add_common_flags(p, smoke="the tiny model on the CPU, lengths cut to 60: a check of the script")
     args = p.parse_args(argv)
     if args.rows < 1 or args.tokens < 1 or args.repeats < 1:
         raise ValueError(f"--rows, --tokens and --repeats must be >= 1, got {args.rows}, {args.tokens}, {args.repeats}")

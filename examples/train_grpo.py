@@ -20,7 +20,7 @@ from lightning_tlt.core.types import SpeculativeConfig
 from lightning_tlt.data.datamodule import RolloutDataModule
 from lightning_tlt.rl.config import GRPOConfig
 from lightning_tlt.rl.grpo import GRPOModule
-from lightning_tlt.rl.warmstart import warm_start
+from lightning_tlt.rl.warmstart import WarmStartConfig, warm_start
 from lightning_tlt.tasks import get_task
 
 
@@ -37,7 +37,7 @@ def main() -> None:
     args = parser.parse_args()
 
     task = get_task("arithmetic")
-    policy, tokenizer = warm_start("arithmetic", "qwen2", args.size, steps=args.warm_start_steps)
+    policy, tokenizer = warm_start(WarmStartConfig("arithmetic", "qwen2", args.size, steps=args.warm_start_steps))
     module = GRPOModule(
         policy,
         GRPOConfig(num_generations=8, max_completion_length=96, learning_rate=2e-4, lr_scheduler_type="constant",

@@ -20,7 +20,7 @@ def main() -> None:
 
     from lightning_tlt.core.types import SpeculativeConfig
     from lightning_tlt.integrations.trl import rollout_func
-    from lightning_tlt.rl.warmstart import warm_start
+    from lightning_tlt.rl.warmstart import WarmStartConfig, warm_start
     from lightning_tlt.rollout.engine import RolloutEngine
     from lightning_tlt.tasks import get_task
 
@@ -29,7 +29,7 @@ def main() -> None:
     args = parser.parse_args()
 
     task = get_task("arithmetic")
-    model, tokenizer = warm_start("arithmetic", "qwen2", "tiny", steps=300)
+    model, tokenizer = warm_start(WarmStartConfig("arithmetic", "qwen2", "tiny", steps=300))
     engine = RolloutEngine(
         model, max_batch_size=32, max_seq_len=160, speculative=SpeculativeConfig(method="suffix", threshold=16)
     )

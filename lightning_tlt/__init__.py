@@ -45,6 +45,7 @@ _EXPORTS: dict[str, str] = {
     "save_model": "lightning_tlt.models.zoo",
     "load_model": "lightning_tlt.models.zoo",
     "warm_start": "lightning_tlt.rl.warmstart",
+    "WarmStartConfig": "lightning_tlt.rl.warmstart",
     "evaluate_accuracy": "lightning_tlt.rl.warmstart",
     # tasks
     "TASKS": "lightning_tlt.tasks",

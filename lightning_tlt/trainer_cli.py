@@ -160,9 +160,9 @@ def check_devices(config: Any, cuda_available: bool | None = None, command_line:
     accelerator = _get(config, "trainer", "accelerator")
     if isinstance(accelerator, str) and accelerator.lower() in ("gpu", "cuda"):
         wants.append(("trainer.accelerator", accelerator, "--trainer.accelerator" in flags))
-    device = _get(config, "model", "init_args", "policy", "warm_start_kwargs", "device")
+    device = _get(config, "model", "init_args", "policy", "warm_start", "device")
     if isinstance(device, str) and device.startswith("cuda"):
-        wants.append(("model.init_args.policy.warm_start_kwargs.device", device,
+        wants.append(("model.init_args.policy.warm_start.device", device,
                       any(f.startswith("--model.init_args.policy") for f in flags)))
     if not wants:
         return

@@ -72,9 +72,9 @@ def warm_arithmetic_policy(
 
     It writes the ``#### <answer>`` format but is rarely right; treat it as read-only.
     """
-    from lightning_tlt.rl.warmstart import warm_start
+    from lightning_tlt.rl.warmstart import WarmStartConfig, warm_start
 
     cache = tmp_path_factory.mktemp("warmstart-cache")
     return warm_start(
-        "arithmetic", "qwen2", "tiny", steps=100, batch_size=8, lr=3e-3, cache_dir=cache, progress=False
+        WarmStartConfig("arithmetic", "qwen2", "tiny", steps=100, batch_size=8, lr=3e-3, cache_dir=cache, progress=False)
     )

@@ -192,7 +192,7 @@ def test_gpu_config_without_a_gpu_is_one_line(capsys: pytest.CaptureFixture[str]
     assert line == (
         f"lightning-tlt fit: error: trainer.accelerator: no GPU found (torch.cuda.is_available() is False), but "
         f"{config} asks for one "
-        "(trainer.accelerator=gpu, warm_start_kwargs.device=cuda); on a CPU run configs/demo_cpu.yaml or "
+        "(trainer.accelerator=gpu, warm_start.device=cuda); on a CPU run configs/demo_cpu.yaml or "
         "configs/demo_cpu_eagle.yaml or configs/ppo_cpu.yaml"
     )
     for cpu_config in CPU_CONFIGS:  # the configs it names exist and run on the CPU

@@ -21,14 +21,14 @@ from .report import print_table, section
 from .workload import (
     FORMAT,
     Budget,
+    cached_drafter,
     carry,
     load_json,
     log,
     run_file,
     stage_dir,
-    warm_drafter,
     warm_policy,
-    warm_start_kwargs,
+    warm_start_config,
     workload_key,
 )
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise ValueError(f"--carry {args.carry}: its workload {old.get('workload')!r} is not this call's "
                          f"{workload_key(args)!r}")
 
-    policy_dir = warm_start_dir(args.task, args.arch, args.size, **warm_start_kwargs(args))
+    policy_dir = warm_start_dir(warm_start_config(args))
     warm: dict[str, Any] = {}
     drafter_dir: Path | None = stage_dir(args, policy_dir, "drafter") / "drafter"
     if stages:
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if warm["policy"]["recomputed"]:
             recomputed.append("policy warm start")
     if stages & {"warmstart", "ab", "cap"}:
-        drafter_dir, warm["drafter"] = warm_drafter(args, policy_dir, device, dtype)
+        drafter_dir, warm["drafter"] = cached_drafter(args, policy_dir, device, dtype)
         if warm["drafter"]["recomputed"]:
             recomputed.append("drafter warm start")
 

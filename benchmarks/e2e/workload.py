@@ -12,12 +12,16 @@ from typing import Any
 
 import torch
 
-from lightning_tlt.core.types import SamplingConfig
 from lightning_tlt.models.tokenizer import encode_prompt
-from lightning_tlt.rl.warmstart import warm_start, warm_start_dir, warm_start_metadata
+from lightning_tlt.rl.warmstart import WarmStartConfig, warm_start, warm_start_dir, warm_start_metadata
 from lightning_tlt.tasks import get_task
 
 from .options import E2EOptions
+
+try:  # ``python -m benchmarks.e2e`` (package) or ``python benchmarks/e2e.py`` (``benchmarks/`` on the path)
+    from .._common import warm_drafter
+except ImportError:
+    from _common import warm_drafter  # type: ignore[no-redef]
 
 _T0 = time.perf_counter()
 
@@ -102,8 +106,13 @@ def grpo_settings(args: E2EOptions) -> dict[str, Any]:
     }
 
 
-def warm_start_kwargs(args: E2EOptions) -> dict[str, Any]:
-    return dict(
+def warm_start_config(args: E2EOptions | Any, device: str = "cpu") -> WarmStartConfig:
+    """The policy's warm start of the workload options (`E2EOptions`, or the flags of
+    ``_common.add_workload_flags``, which have the same names); ``device`` does not change the cache key."""
+    return WarmStartConfig(
+        task=args.task,
+        arch=args.arch,
+        size=args.size,
         difficulty=args.difficulty,
         seed=0,
         steps=args.sft_steps,
@@ -113,6 +122,8 @@ def warm_start_kwargs(args: E2EOptions) -> dict[str, Any]:
         batch_tokens=args.sft_batch_tokens,
         max_time_s=args.sft_max_time_s,
         cache_dir=args.cache_dir,
+        device=device,
+        progress=False,
     )
 
 
@@ -165,12 +176,12 @@ def load_policy(policy_dir: Path, device: str, dtype: torch.dtype) -> torch.nn.M
 
 def warm_policy(args: E2EOptions, device: str) -> tuple[Path, dict[str, Any]]:
     """The SFT-warm-started policy (cached by `warm_start`); says whether it was recomputed."""
-    kwargs = warm_start_kwargs(args)
-    directory = warm_start_dir(args.task, args.arch, args.size, **kwargs)
+    config = warm_start_config(args, device)
+    directory = warm_start_dir(config)
     cached = (directory / "warmstart.json").is_file()
     log(f"policy warm start: {'cached' if cached else 'training'} ({directory.name})")
     t0 = time.perf_counter()
-    model, _ = warm_start(args.task, args.arch, args.size, device=device, progress=False, **kwargs)
+    model, _ = warm_start(config)
     del model
     free()
     meta = warm_start_metadata(directory)
@@ -191,13 +202,12 @@ def warm_policy(args: E2EOptions, device: str) -> tuple[Path, dict[str, Any]]:
     return directory, info
 
 
-def warm_drafter(args: E2EOptions, policy_dir: Path, device: str, dtype: torch.dtype) -> tuple[Path, dict[str, Any]]:
-    """An EAGLE drafter trained offline on the warm policy's own rollouts (TLT's drafter warm-up), cached."""
+def cached_drafter(args: E2EOptions, policy_dir: Path, device: str, dtype: torch.dtype) -> tuple[Path, dict[str, Any]]:
+    """An EAGLE drafter trained offline on the warm policy's own rollouts (TLT's drafter warm-up, `warm_drafter`),
+    cached."""
     from transformers import PreTrainedTokenizerFast
 
-    from lightning_tlt.drafters.offline import train_drafter
     from lightning_tlt.drafters.trainer import DrafterTrainConfig
-    from lightning_tlt.rollout.engine import RolloutEngine
 
     directory = stage_dir(args, policy_dir, "drafter") / "drafter"
     info_path = directory / "warmup.json"
@@ -209,50 +219,39 @@ def warm_drafter(args: E2EOptions, policy_dir: Path, device: str, dtype: torch.d
     tokenizer = PreTrainedTokenizerFast.from_pretrained(policy_dir)
     data = get_task(args.task).make_dataset(args.drafter_prompts, difficulty=args.difficulty, seed=99)
     prompts = [encode_prompt(tokenizer, p) for p in data["prompt"]]
-    engine = RolloutEngine(
-        policy,
-        max_batch_size=len(prompts) * args.drafter_samples,
-        max_seq_len=max(map(len, prompts)) + args.max_new,
-    )
-    out = engine.generate(
-        prompts,
-        SamplingConfig(temperature=1.0, max_new_tokens=args.max_new),
-        num_samples=args.drafter_samples,
-        generator=torch.Generator(device=device).manual_seed(99),
-    )
-    gen_s = time.perf_counter() - t0
-    lengths = [len(c) for c in out.completion_ids]
-    correct = warm_correctness(args, data, tokenizer, out.completion_ids, args.drafter_samples)
-    log(
-        f"drafter warm start: {len(lengths)} rollouts of the warm policy in {gen_s:.0f} s, "
-        f"lengths {percentiles([float(n) for n in lengths])}, correctness {correct:.3f} (what GRPO starts from)"
-    )
-    del engine
-    t1 = time.perf_counter()
-    result = train_drafter(  # the same captured step the co-training callback replays in the stalls
-        policy,
-        [list(p) + list(c) for p, c in zip(out.prompt_ids, out.completion_ids)],
-        [len(p) for p in out.prompt_ids],
-        steps=args.drafter_steps,
+    prepared_s = time.perf_counter() - t0
+    rollouts: dict[str, Any] = {}
+
+    def on_rollouts(out: Any, rollout_s: float) -> None:
+        lengths = [len(c) for c in out.completion_ids]
+        correct = warm_correctness(args, data, tokenizer, out.completion_ids, args.drafter_samples)
+        rollouts.update(lengths=lengths, correct=correct, gen_s=prepared_s + rollout_s)
+        log(
+            f"drafter warm start: {len(lengths)} rollouts of the warm policy in {rollouts['gen_s']:.0f} s, "
+            f"lengths {percentiles([float(n) for n in lengths])}, correctness {correct:.3f} (what GRPO starts from)"
+        )
+
+    warm = warm_drafter(
+        policy, prompts, directory, samples=args.drafter_samples, max_new=args.max_new, steps=args.drafter_steps,
         config=DrafterTrainConfig(batch_size=16, max_len=512, learning_rate=args.drafter_lr, warmup_steps=20),
-    )
-    sync()
-    result.drafter.inference_copy().save_pretrained(directory)  # in the policy's dtype, as the engine drafts
+        rollout_seed=99, on_rollouts=on_rollouts,
+    )  # fmt: skip
+    result = warm.result
     info = {
         "recomputed": True,
-        "rollouts": len(lengths),
-        "rollout_lengths": percentiles([float(n) for n in lengths]),
-        "rollout_correctness": correct,
-        "generate_s": gen_s,
+        "rollouts": len(rollouts["lengths"]),
+        "rollout_lengths": percentiles([float(n) for n in rollouts["lengths"]]),
+        "rollout_correctness": rollouts["correct"],
+        "generate_s": rollouts["gen_s"],
         "train_steps": result.steps,
-        "train_s": time.perf_counter() - t1,
+        "train_s": warm.train_s,
         "heldout_accept_rate_before": result.heldout_before,
         "heldout_accept_rate_after": result.heldout_after,
         "seconds": time.perf_counter() - t0,
     }
     info_path.write_text(json.dumps(info, indent=1, default=float))
     log(f"drafter warm start: {result.steps} steps in {info['train_s']:.1f} s, saved to {directory}")
-    del result, policy
+    del warm, result, policy
     free()
     return directory, info
 

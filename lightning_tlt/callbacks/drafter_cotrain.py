@@ -392,7 +392,7 @@ class DrafterCoTrainCallback(Callback):
             return
         cfg = self.config
         if event.phase == "done":
-            if cfg.train_while_waiting and not cfg.deterministic and _world_size() > 1:
+            if cfg.train_while_waiting and not cfg.deterministic and trainer is not None and trainer.world_size > 1:
                 self._train_while_waiting()
             return
         if event.phase not in ("decode", "speculative") or not 0 < event.active_rows <= cfg.stall_threshold:
@@ -409,6 +409,12 @@ class DrafterCoTrainCallback(Callback):
                 self.step_log.append(("stall", event.active_rows, queued))
 
     def _train_while_waiting(self) -> None:
+        """Queue drafter steps until every rank has finished generating (or the wait's budget is spent).
+
+        The one collective of this callback outside ``trainer.strategy``: Lightning's strategy collectives
+        (``reduce``, ``barrier``) block, and this rank must keep training while the others generate, so it
+        polls an asynchronous all-reduce (``async_op=True``) that completes once all ranks have entered it.
+        """
         assert self.learner is not None
         cfg = self.config
         device = (
@@ -455,7 +461,7 @@ class DrafterCoTrainCallback(Callback):
         self._harvest(pl_module)
         if not self._warm_started:  # warm_start="rollouts": the first boundary, on every rank
             self._run_warm_start(trainer)
-        if _world_size() > 1 and self.config.average_across_ranks:
+        if trainer.world_size > 1 and self.config.average_across_ranks:
             learner.average_(lambda flat: trainer.strategy.reduce(flat, reduce_op="mean"))
         evaluated = self._eval_ready or learner.take_evaluation()
         self._eval_ready = None
@@ -493,13 +499,13 @@ class DrafterCoTrainCallback(Callback):
     ) -> tuple[float, tuple[float, float] | None, bool]:
         """What every rank decides on: the rank-means of the engine's measured acceptance length and
         of the held-out rates, and whether the drafter changed on any rank (one reduce)."""
-        if _world_size() == 1:
+        if trainer.world_size == 1:
             return measured, heldout, changed
         assert self.drafter is not None
         local = torch.tensor([measured, *(heldout or (0.0, 0.0)), float(heldout is not None), float(changed)],
                              dtype=torch.float64, device=self.drafter.fc.weight.device)  # fmt: skip
         total = trainer.strategy.reduce(local, reduce_op="sum").tolist()
-        world = float(_world_size())
+        world = float(trainer.world_size)
         rates = None if total[3] == 0 else (total[1] / total[3], total[2] / total[3])
         return total[0] / world, rates, total[4] > 0
 
@@ -650,7 +656,3 @@ class _Window:
     stall_events: int = 0
     stall_time_s: float = 0.0
     wait_steps: int = 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

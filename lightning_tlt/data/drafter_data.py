@@ -75,10 +75,10 @@ def _policy(args: Namespace) -> nn.Module:
 
         return AutoModelForCausalLM.from_pretrained(args.policy_path)
     if args.warm_start:
-        from lightning_tlt.rl.warmstart import warm_start
+        from lightning_tlt.rl.warmstart import WarmStartConfig, warm_start
 
-        return warm_start(args.task, args.arch, args.size, difficulty=args.difficulty, seed=args.seed,
-                          steps=args.sft_steps, device=args.device, progress=False)[0]  # fmt: skip
+        return warm_start(WarmStartConfig(args.task, args.arch, args.size, difficulty=args.difficulty, seed=args.seed,
+                                          steps=args.sft_steps, device=args.device, progress=False))[0]  # fmt: skip
     from lightning_tlt.models.zoo import build_model
 
     return build_model(args.arch, args.size, seed=args.seed)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import lightning.pytorch as pl
@@ -28,6 +28,7 @@ from lightning_tlt.rl.attention import training_attention
 from lightning_tlt.rl.batch import RolloutBatch
 from lightning_tlt.rl.config import OptimConfig
 from lightning_tlt.rl.progress_bar import optimizer_step_bar
+from lightning_tlt.rl.warmstart import WarmStartConfig
 
 
 @dataclass
@@ -44,10 +45,10 @@ class PolicySpec:
     """Zoo size (a key of ``lightning_tlt.models.zoo.ZOO_SIZES``)."""
     seed: int = 0
     """Seed of the zoo model's init."""
-    warm_start: str | None = None
-    """Zoo task to SFT-warm-start on first (``lightning_tlt.rl.warmstart.warm_start``, cached)."""
-    warm_start_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra arguments of ``warm_start`` (steps, difficulty, cache_dir, ...)."""
+    warm_start: WarmStartConfig | str | None = None
+    """SFT-warm-start the zoo model first (``lightning_tlt.rl.warmstart.warm_start``, cached): its settings
+    (``{task: arithmetic, steps: 300, ...}``), or a task name for the defaults. Its ``arch``, ``size`` and
+    ``seed`` are this spec's (leave them out, or give the same)."""
     path: str | None = None
     """An HF model directory (``AutoModelForCausalLM.from_pretrained``); overrides the zoo fields."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -64,6 +65,23 @@ class PolicySpec:
             raise ValueError(f"arch must be one of {list(ARCHS)}, got {self.arch!r}")
         if self.path is None and self.size not in ZOO_SIZES:
             raise ValueError(f"size must be one of {list(ZOO_SIZES)}, got {self.size!r}")
+        if self.warm_start is not None:
+            self.warm_start = self._warm_start_config(self.warm_start)
+
+    def _warm_start_config(self, given: WarmStartConfig | str | dict[str, Any]) -> WarmStartConfig:
+        """``given`` as a `WarmStartConfig` whose ``arch``, ``size`` and ``seed`` are the spec's."""
+        if isinstance(given, str):
+            given = WarmStartConfig(task=given)
+        elif isinstance(given, dict):  # a parsed config's ``as_dict()``
+            given = WarmStartConfig(**given)
+        for name in ("arch", "size", "seed"):
+            value = getattr(given, name)
+            if value is not None and value != getattr(self, name):
+                raise ValueError(
+                    f"warm_start.{name}={value!r} differs from the policy's {name}={getattr(self, name)!r}; "
+                    f"give {name} on the policy only"
+                )
+        return replace(given, arch=self.arch, size=self.size, seed=self.seed)
 
     def max_positions(self) -> int | None:
         """The policy's ``max_position_embeddings``, read from its config without building (or warm-starting) it."""
@@ -88,7 +106,7 @@ class PolicySpec:
         if self.warm_start is not None:
             from lightning_tlt.rl.warmstart import warm_start
 
-            model: Any = warm_start(self.warm_start, self.arch, self.size, seed=self.seed, **self.warm_start_kwargs)[0]
+            model: Any = warm_start(self._warm_start_config(self.warm_start))[0]
             return model.to(dtype)
         from lightning_tlt.models.zoo import build_model
 

@@ -20,6 +20,7 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,13 +36,14 @@ from typing_extensions import override
 from lightning_tlt.core.cli_options import OptionParser
 from lightning_tlt.core.compile_cache import default_cache_dir
 from lightning_tlt.models.tokenizer import build_tokenizer, encode_prompt
-from lightning_tlt.models.zoo import ZOO_SIZES, build_model, count_parameters, load_model, save_model
+from lightning_tlt.models.zoo import ARCHS, ZOO_SIZES, build_model, count_parameters, load_model, save_model
 from lightning_tlt.rl.sft import LengthGroupedBatchSampler, SFTCollator, SFTConfig, SFTModule
 from lightning_tlt.tasks import Task, get_task
 
 __all__ = [
     "METADATA_FILE",
     "WARMSTART_VERSION",
+    "WarmStartConfig",
     "default_cache_dir",
     "evaluate_accuracy",
     "generate_completions",
@@ -59,6 +61,96 @@ METADATA_FILE = "warmstart.json"
 """Written next to the weights: the settings, the loss curve summary and the training time."""
 
 
+@dataclass(frozen=True)
+class WarmStartConfig:
+    """Settings of a warm start (`warm_start`, `warm_start_dir`, a `PolicySpec`'s ``warm_start:``).
+
+    Every field from ``task`` to ``max_time_s`` changes what is trained and so names the cached
+    directory (`warm_start_key`); ``cache_dir``, ``device``, ``progress`` and ``cpu_threads`` only say
+    where and how it runs.
+    """
+
+    task: str = "arithmetic"
+    """A registered task name (`lightning_tlt.tasks.TASKS`)."""
+    arch: str | None = None
+    """Zoo architecture (``qwen2``, ``llama``, ``qwen3``); ``None``: ``qwen2`` (in a `PolicySpec`: the policy's)."""
+    size: str | None = None
+    """Zoo size (a key of `lightning_tlt.models.zoo.ZOO_SIZES`); ``None``: ``tiny`` (in a `PolicySpec`: the
+    policy's)."""
+    difficulty: int = 1
+    """Task difficulty of the training data."""
+    seed: int | None = None
+    """Seed of the model init and of the data; ``None``: 0 (in a `PolicySpec`: the policy's)."""
+    steps: int = 1000
+    """Optimizer steps."""
+    batch_size: int = 32
+    """Sequences per step."""
+    lr: float = 3e-3
+    """Peak learning rate (cosine schedule, 5 % warmup)."""
+    max_length: int | None = None
+    """Longest SFT sequence in tokens (longer ones are cut); ``None``: 64 plus the task's length budget
+    (`Task.max_completion_tokens`)."""
+    batch_tokens: int | None = None
+    """Most padded tokens per batch: a batch of long sequences holds fewer than ``batch_size`` (bounds memory
+    at a large vocabulary); ``None``: ``batch_size`` always."""
+    max_time_s: float | None = None
+    """Stop training after this many seconds even before ``steps`` (Lightning's ``max_time``; the steps made
+    are recorded as ``steps_done``); ``None``: no bound."""
+    cache_dir: str | Path | None = None
+    """Root of the cache; ``None``: `default_cache_dir`."""
+    device: str = "cpu"
+    """``"cpu"`` or ``"cuda"`` (bf16 mixed precision there)."""
+    progress: bool = True
+    """Show a progress bar over the SFT steps (only when it trains); the "loaded from the cache" /
+    "training" messages are printed either way (``rank_zero_info``)."""
+    cpu_threads: int | None = 1
+    """Torch intra-op threads while training on the CPU (restored afterwards); ``None`` keeps torch's
+    setting. The zoo's small models gain little from threads, and on a CPU shared with other jobs one
+    thread was measured 5-10x faster than two oversubscribed OpenMP threads."""
+
+    def __post_init__(self) -> None:
+        get_task(self.task).check_difficulty(self.difficulty)
+        if self.arch is not None and self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {list(ARCHS)}, got {self.arch!r}")
+        if self.size is not None and self.size not in ZOO_SIZES:
+            raise ValueError(f"size must be one of {list(ZOO_SIZES)}, got {self.size!r}")
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps!r}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError(f"max_length must be >= 2 or None, got {self.max_length!r}")
+        if self.batch_tokens is not None and self.batch_tokens < 1:
+            raise ValueError(f"batch_tokens must be >= 1 or None, got {self.batch_tokens!r}")
+        if self.max_time_s is not None and not self.max_time_s > 0:
+            raise ValueError(f"max_time_s must be > 0 or None, got {self.max_time_s!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1 or None, got {self.cpu_threads!r}")
+
+    def settings(self) -> dict[str, Any]:
+        """What the cached run is keyed by (and what its `METADATA_FILE` records as ``settings``)."""
+        # real-valued settings as floats: a YAML config's ``max_time_s: 300`` names the same run (and cache
+        # directory) as ``300.0`` from the command line, whose JSON would otherwise hash differently
+        max_time_s = None if self.max_time_s is None else float(self.max_time_s)
+        optional = (("max_length", self.max_length), ("batch_tokens", self.batch_tokens), ("max_time_s", max_time_s))
+        bounds = {k: v for k, v in optional if v is not None}
+        return bounds | {
+            "task": get_task(self.task).name,
+            "arch": "qwen2" if self.arch is None else self.arch,
+            "size": "tiny" if self.size is None else self.size,
+            "difficulty": self.difficulty,
+            "seed": 0 if self.seed is None else self.seed,
+            "steps": self.steps,
+            "batch_size": self.batch_size,
+            "lr": float(self.lr),
+            "version": WARMSTART_VERSION,
+        }
+
+
 def warm_start_key(settings: dict[str, Any]) -> str:
     """Directory name of a cached run: readable settings plus a hash of all of them."""
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:10]
@@ -68,89 +160,33 @@ def warm_start_key(settings: dict[str, Any]) -> str:
     )
 
 
-def warm_start_dir(
-    task: str = "arithmetic",
-    arch: str = "qwen2",
-    size: str = "tiny",
-    *,
-    difficulty: int = 1,
-    seed: int = 0,
-    steps: int = 1000,
-    batch_size: int = 32,
-    lr: float = 3e-3,
-    max_length: int | None = None,
-    batch_tokens: int | None = None,
-    max_time_s: float | None = None,
-    cache_dir: str | Path | None = None,
-) -> Path:
-    """Where `warm_start` with these settings caches its result."""
-    settings = _settings(task, arch, size, difficulty, seed, steps, batch_size, lr, max_length, batch_tokens, max_time_s)
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    return root / warm_start_key(settings)
+def warm_start_dir(config: WarmStartConfig = WarmStartConfig()) -> Path:  # noqa: B008 (frozen: one shared default is safe)
+    """Where `warm_start` with ``config`` caches its result."""
+    root = Path(config.cache_dir).expanduser() if config.cache_dir is not None else default_cache_dir()
+    return root / warm_start_key(config.settings())
 
 
-def warm_start(
-    task: str = "arithmetic",
-    arch: str = "qwen2",
-    size: str = "tiny",
-    *,
-    difficulty: int = 1,
-    seed: int = 0,
-    steps: int = 1000,
-    batch_size: int = 32,
-    lr: float = 3e-3,
-    max_length: int | None = None,
-    batch_tokens: int | None = None,
-    max_time_s: float | None = None,
-    cache_dir: str | Path | None = None,
-    device: str = "cpu",
-    progress: bool = True,
-    cpu_threads: int | None = 1,
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A zoo model fine-tuned on ``task``'s worked solutions, trained once and then loaded from disk.
+def warm_start(config: WarmStartConfig = WarmStartConfig()) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:  # noqa: B008
+    """A zoo model fine-tuned on ``config.task``'s worked solutions, trained once and then loaded from disk.
 
-    Trains ``size`` ``arch`` (seeded init) for ``steps`` AdamW steps of ``batch_size`` fresh worked
-    solutions (train split, ``difficulty``) with `SFTModule` under a Lightning ``Trainer``, then
-    saves model, tokenizer and `METADATA_FILE` under
-    ``cache_dir / warm_start_key(settings)``. A later call with the same settings loads that
-    directory (a printed line says which happened).
+    Trains ``config.size`` ``config.arch`` (seeded init) for ``config.steps`` AdamW steps of
+    ``config.batch_size`` fresh worked solutions (train split, ``config.difficulty``) with `SFTModule`
+    under a Lightning ``Trainer``, then saves model, tokenizer and `METADATA_FILE` under
+    ``warm_start_dir(config)``. A later call with the same settings loads that directory (a printed
+    line says which happened).
 
     Args:
-        task: a registered task name (`lightning_tlt.tasks.TASKS`).
-        arch: zoo architecture (``qwen2``, ``llama``, ``qwen3``).
-        size: zoo size (see `lightning_tlt.models.zoo.ZOO_SIZES`).
-        difficulty: task difficulty of the training data.
-        seed: seed of the model init and of the data.
-        steps: optimizer steps.
-        batch_size: sequences per step.
-        lr: peak learning rate (cosine schedule, 5 % warmup).
-        max_length: longest SFT sequence in tokens (longer ones are cut); ``None``: 64 plus the
-            task's length budget (`Task.max_completion_tokens`).
-        batch_tokens: most padded tokens per batch: a batch of long sequences holds fewer than
-            ``batch_size`` (bounds memory at a large vocabulary); ``None``: ``batch_size`` always.
-        max_time_s: stop training after this many seconds even before ``steps`` (Lightning's
-            ``max_time``; the steps made are recorded as ``steps_done``); ``None``: no bound.
-        cache_dir: root of the cache; default `default_cache_dir`.
-        device: ``"cpu"`` or ``"cuda"`` (bf16 mixed precision there).
-        progress: show a progress bar over the SFT steps (only when it trains); the "loaded from the
-            cache" / "training" messages are printed either way (``rank_zero_info``).
-        cpu_threads: torch intra-op threads while training on the CPU (restored afterwards);
-            ``None`` keeps torch's setting. The zoo's small models gain little from threads, and
-            on a CPU shared with other jobs one thread was measured 5-10x faster than two
-            oversubscribed OpenMP threads.
+        config: what to train, where to cache it and how to run (`WarmStartConfig`).
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode on the CPU, float32.
     """
-    settings = _settings(task, arch, size, difficulty, seed, steps, batch_size, lr, max_length, batch_tokens, max_time_s)
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if cpu_threads is not None and cpu_threads < 1:
-        raise ValueError(f"cpu_threads must be >= 1 or None, got {cpu_threads!r}")
-    directory = warm_start_dir(
-        task, arch, size, difficulty=difficulty, seed=seed, steps=steps, batch_size=batch_size, lr=lr,
-        max_length=max_length, batch_tokens=batch_tokens, max_time_s=max_time_s, cache_dir=cache_dir,
+    settings = config.settings()
+    task, arch, size, difficulty, steps, lr = (
+        config.task, settings["arch"], settings["size"], config.difficulty, config.steps, config.lr,
     )
+    device, progress, cpu_threads = config.device, config.progress, config.cpu_threads
+    directory = warm_start_dir(config)
     name = f"{settings['arch']}/{settings['size']} on {settings['task']} (difficulty {difficulty})"
     if (directory / METADATA_FILE).is_file() and (directory / "config.json").is_file():
         rank_zero_info(f"warm start: {name} loaded from the cache {directory}")
@@ -207,43 +243,6 @@ def warm_start(
 def warm_start_metadata(directory: str | Path) -> dict[str, Any]:
     """The `METADATA_FILE` of a cached warm start (settings, losses, training time)."""
     return json.loads((Path(directory) / METADATA_FILE).read_text())
-
-
-def _settings(
-    task: str, arch: str, size: str, difficulty: int, seed: int, steps: int, batch_size: int, lr: float,
-    max_length: int | None = None, batch_tokens: int | None = None, max_time_s: float | None = None,
-) -> dict[str, Any]:
-    get_task(task).check_difficulty(difficulty)
-    if size not in ZOO_SIZES:
-        raise ValueError(f"size must be one of {list(ZOO_SIZES)}, got {size!r}")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps!r}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size!r}")
-    if not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr!r}")
-    if max_length is not None and max_length < 2:
-        raise ValueError(f"max_length must be >= 2 or None, got {max_length!r}")
-    if batch_tokens is not None and batch_tokens < 1:
-        raise ValueError(f"batch_tokens must be >= 1 or None, got {batch_tokens!r}")
-    if max_time_s is not None and not max_time_s > 0:
-        raise ValueError(f"max_time_s must be > 0 or None, got {max_time_s!r}")
-    # real-valued settings as floats: a YAML config's ``max_time_s: 300`` names the same run (and cache
-    # directory) as ``300.0`` from the command line, whose JSON would otherwise hash differently
-    max_time_s = None if max_time_s is None else float(max_time_s)
-    optional = (("max_length", max_length), ("batch_tokens", batch_tokens), ("max_time_s", max_time_s))
-    bounds = {k: v for k, v in optional if v is not None}
-    return bounds | {
-        "task": get_task(task).name,
-        "arch": arch,
-        "size": size,
-        "difficulty": difficulty,
-        "seed": seed,
-        "steps": steps,
-        "batch_size": batch_size,
-        "lr": float(lr),
-        "version": WARMSTART_VERSION,
-    }
 
 
 def _train(
@@ -429,22 +428,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.device == "cpu" and args.cpu_threads is not None:
         torch.set_num_threads(args.cpu_threads)  # this process only: evaluation runs with it too
-    common = dict(
-        difficulty=args.difficulty, seed=args.seed, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-        max_length=args.max_length, batch_tokens=args.batch_tokens, max_time_s=args.max_time_s,
-    )
-    start = time.perf_counter()
-    model, tokenizer = warm_start(
-        args.task,
-        args.arch,
-        args.size,
-        **common,
-        cache_dir=args.cache_dir,
-        device=args.device,
-        progress=not args.no_progress,
+    config = WarmStartConfig(
+        task=args.task, arch=args.arch, size=args.size, difficulty=args.difficulty, seed=args.seed, steps=args.steps,
+        batch_size=args.batch_size, lr=args.lr, max_length=args.max_length, batch_tokens=args.batch_tokens,
+        max_time_s=args.max_time_s, cache_dir=args.cache_dir, device=args.device, progress=not args.no_progress,
         cpu_threads=args.cpu_threads,
     )
-    directory = warm_start_dir(args.task, args.arch, args.size, **common, cache_dir=args.cache_dir)
+    start = time.perf_counter()
+    model, tokenizer = warm_start(config)
+    directory = warm_start_dir(config)
     elapsed = time.perf_counter() - start
     metadata = warm_start_metadata(directory)
     eval_start = time.perf_counter()

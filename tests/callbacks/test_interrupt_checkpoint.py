@@ -135,7 +135,7 @@ def test_the_cli_interrupted_by_a_real_signal_exits_with_its_code_and_leaves_las
     config["trainer"].update(callbacks=callbacks, max_steps=400, default_root_dir=str(tmp_path),
                              logger={"class_path": "lightning.pytorch.loggers.CSVLogger",
                                      "init_args": {"save_dir": str(tmp_path), "name": "run"}})
-    config["model"]["init_args"]["policy"].update(warm_start=None, warm_start_kwargs=None)
+    config["model"]["init_args"]["policy"].update(warm_start=None)
     config["model"]["init_args"]["config"]["max_completion_length"] = 12
     config["data"].update(dataset="arithmetic", prompts_per_step=2, task_size=16)
     path = tmp_path / "config.yaml"

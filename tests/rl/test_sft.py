@@ -25,6 +25,7 @@ from lightning_tlt.rl.sft import (
     sft_loss,
 )
 from lightning_tlt.rl.warmstart import (
+    WarmStartConfig,
     default_cache_dir,
     evaluate_accuracy,
     generate_completions,
@@ -179,14 +180,14 @@ def test_short_warm_start_lowers_loss_and_is_cached(tmp_path: Path, caplog: pyte
     kwargs = dict(difficulty=1, seed=0, steps=40, batch_size=8, lr=3e-3, cache_dir=tmp_path, progress=False)
     caplog.set_level(logging.INFO)
     start = time.perf_counter()
-    model, tokenizer = warm_start("arithmetic", "qwen2", "tiny", **kwargs)
+    model, tokenizer = warm_start(WarmStartConfig("arithmetic", "qwen2", "tiny", **kwargs))
     first_seconds = time.perf_counter() - start
     # printed through Lightning's rank-zero logger: visible under `lightning-tlt fit` and in scripts
     assert "warm start: training qwen2/tiny on arithmetic (difficulty 1) for 40 SFT steps on cpu" in caplog.text
     assert "loaded from the cache" not in caplog.text
     assert any(r.name.startswith("lightning.pytorch") for r in caplog.records if "warm start:" in r.getMessage())
     directory = warm_start_dir(
-        "arithmetic", "qwen2", "tiny", **{k: v for k, v in kwargs.items() if k != "progress"}
+        WarmStartConfig("arithmetic", "qwen2", "tiny", **{k: v for k, v in kwargs.items() if k != "progress"})
     )
     assert directory.parent == tmp_path and directory.name.startswith("arithmetic-qwen2-tiny-d1-s0-40steps-")
     meta = warm_start_metadata(directory)
@@ -196,7 +197,7 @@ def test_short_warm_start_lowers_loss_and_is_cached(tmp_path: Path, caplog: pyte
 
     caplog.clear()
     start = time.perf_counter()
-    again, tokenizer2 = warm_start("arithmetic", "qwen2", "tiny", **kwargs)
+    again, tokenizer2 = warm_start(WarmStartConfig("arithmetic", "qwen2", "tiny", **kwargs))
     second_seconds = time.perf_counter() - start
     assert f"warm start: qwen2/tiny on arithmetic (difficulty 1) loaded from the cache {directory}" in caplog.text
     assert "warm start: training" not in caplog.text
@@ -207,7 +208,7 @@ def test_short_warm_start_lowers_loss_and_is_cached(tmp_path: Path, caplog: pyte
 
 
 def test_warm_start_shows_a_bar_over_its_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    warm_start("arithmetic", "qwen2", "tiny", steps=3, batch_size=4, cache_dir=tmp_path)
+    warm_start(WarmStartConfig("arithmetic", "qwen2", "tiny", steps=3, batch_size=4, cache_dir=tmp_path))
     err = capsys.readouterr().err
     assert "warm start SFT (arithmetic): 100%" in err and "3/3" in err and "loss=" in err
     assert "Epoch 0" not in err  # not Lightning's epoch bar
@@ -219,32 +220,66 @@ def test_warm_start_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert warm_start_dir().parent == tmp_path / "env-cache"
     monkeypatch.delenv("LIGHTNING_TLT_CACHE")
     assert default_cache_dir() == Path.home() / ".cache" / "lightning_tlt"
-    assert warm_start_dir(seed=1) != warm_start_dir(seed=2) != warm_start_dir(seed=2, lr=1e-3)
+    assert warm_start_dir(WarmStartConfig(seed=1)) != warm_start_dir(WarmStartConfig(seed=2)) != warm_start_dir(WarmStartConfig(seed=2, lr=1e-3))
     with pytest.raises(ValueError, match="steps must be >= 1, got 0"):
-        warm_start(steps=0, cache_dir=tmp_path)
+        warm_start(WarmStartConfig(steps=0, cache_dir=tmp_path))
     with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'tpu'"):
-        warm_start(device="tpu", cache_dir=tmp_path)
+        warm_start(WarmStartConfig(device="tpu", cache_dir=tmp_path))
     with pytest.raises(ValueError, match="size must be one of"):
-        warm_start(size="7b", cache_dir=tmp_path)
+        warm_start(WarmStartConfig(size="7b", cache_dir=tmp_path))
     with pytest.raises(ValueError, match="max_length must be >= 2 or None, got 1"):
-        warm_start(max_length=1, cache_dir=tmp_path)
+        warm_start(WarmStartConfig(max_length=1, cache_dir=tmp_path))
     with pytest.raises(ValueError, match="batch_tokens must be >= 1 or None, got 0"):
-        warm_start(batch_tokens=0, cache_dir=tmp_path)
+        warm_start(WarmStartConfig(batch_tokens=0, cache_dir=tmp_path))
     with pytest.raises(ValueError, match="max_time_s must be > 0 or None, got 0"):
-        warm_start(max_time_s=0, cache_dir=tmp_path)
+        warm_start(WarmStartConfig(max_time_s=0, cache_dir=tmp_path))
     # the bounds enter the cache key only when set (caches made before them stay valid)
-    assert warm_start_dir(max_length=None, max_time_s=None) == warm_start_dir()
-    assert len({warm_start_dir(), warm_start_dir(max_length=256), warm_start_dir(max_time_s=60.0)}) == 3
+    assert warm_start_dir(WarmStartConfig(max_length=None, max_time_s=None)) == warm_start_dir()
+    assert len({warm_start_dir(), warm_start_dir(WarmStartConfig(max_length=256)), warm_start_dir(WarmStartConfig(max_time_s=60.0))}) == 3
     # a YAML config's integers name the same run as the command line's floats (one SFT, one cache)
-    assert warm_start_dir(max_time_s=300, lr=1) == warm_start_dir(max_time_s=300.0, lr=1.0)
+    assert warm_start_dir(WarmStartConfig(max_time_s=300, lr=1)) == warm_start_dir(WarmStartConfig(max_time_s=300.0, lr=1.0))
+
+
+def test_warm_start_config_names_the_same_cache_as_before() -> None:
+    """Directory names computed before `WarmStartConfig` replaced the keyword arguments (issue 36):
+    the same settings find the same cached run, from the API and from a config's ``policy.warm_start``."""
+    from dataclasses import replace
+
+    import yaml
+
+    from lightning_tlt.rl.common import PolicySpec
+
+    assert warm_start_dir(WarmStartConfig(cache_dir="/c")) == Path("/c/arithmetic-qwen2-tiny-d1-s0-1000steps-f18ad45b9f")
+    gpu = WarmStartConfig(
+        "countdown_search", size="100m", difficulty=3, steps=600, batch_size=32, batch_tokens=32768, lr=5e-4,
+        max_length=4160, max_time_s=200, cache_dir="/c", device="cuda", progress=False,
+    )
+    assert warm_start_dir(gpu).name == "countdown_search-qwen2-100m-d3-s0-600steps-377f288cbd"
+    config = yaml.safe_load((Path(__file__).parents[2] / "configs" / "grpo_gpu_100m.yaml").read_text())
+    spec = PolicySpec(**config["model"]["init_args"]["policy"])
+    assert isinstance(spec.warm_start, WarmStartConfig)
+    assert spec.warm_start == replace(gpu, arch="qwen2", seed=0, cache_dir=None)
+    assert warm_start_dir(replace(spec.warm_start, cache_dir="/c")) == warm_start_dir(gpu)
+    # a task name is the defaults' warm start; arch, size and seed are the policy's
+    assert PolicySpec(size="small", seed=3, warm_start="countdown").warm_start == WarmStartConfig(
+        "countdown", "qwen2", "small", seed=3
+    )
+    with pytest.raises(ValueError, match=r"warm_start.size='tiny' differs from the policy's size='100m'"):
+        PolicySpec(size="100m", warm_start=WarmStartConfig(size="tiny"))
+    with pytest.raises(ValueError, match=r"arch must be one of \['qwen2', 'llama', 'qwen3'\], got 'gpt2'"):
+        WarmStartConfig(arch="gpt2")
+    with pytest.raises(ValueError, match="cpu_threads must be >= 1 or None, got 0"):
+        WarmStartConfig(cpu_threads=0)
 
 
 def test_warm_start_bounded_in_time_and_length(tmp_path: Path) -> None:
     kwargs = dict(
         steps=500, batch_size=4, max_length=40, batch_tokens=80, max_time_s=1e-3, cache_dir=tmp_path, progress=False
     )
-    warm_start("countdown_search", "qwen2", "tiny", **kwargs)
-    directory = warm_start_dir("countdown_search", "qwen2", "tiny", **{k: v for k, v in kwargs.items() if k != "progress"})
+    warm_start(WarmStartConfig("countdown_search", "qwen2", "tiny", **kwargs))
+    directory = warm_start_dir(
+        WarmStartConfig("countdown_search", "qwen2", "tiny", **{k: v for k, v in kwargs.items() if k != "progress"})
+    )
     meta = warm_start_metadata(directory)
     assert meta["steps_done"] == 1 < meta["settings"]["steps"]  # the time bound ends training after one step
     assert (meta["settings"]["max_length"], meta["settings"]["batch_tokens"], meta["settings"]["max_time_s"]) == (
@@ -296,7 +331,8 @@ def test_a_diverged_warm_start_is_refused_and_not_cached(tmp_path) -> None:
     from lightning_tlt.rl.warmstart import warm_start
 
     with pytest.raises(RuntimeError, match=r"warm start diverged: arithmetic qwen2/tiny at lr=1e\+30") as err:
-        warm_start("arithmetic", "qwen2", "tiny", steps=60, batch_size=4, lr=1e30, cache_dir=tmp_path, progress=False)
+        warm_start(WarmStartConfig("arithmetic", "qwen2", "tiny", steps=60, batch_size=4, lr=1e30, cache_dir=tmp_path,
+                                   progress=False))
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]
     done = int(str(err.value).split(" after ")[1].split(" of ")[0])
     assert done < 20  # it stopped once five losses in a row were non-finite, not after all 60 steps
