@@ -205,6 +205,7 @@ class EagleDrafter(nn.Module):
 
     name: str = "eagle"
     needs_features: bool = True
+    runs_on_device: bool = True  # the engine runs its layer inside the step's graph (`DrafterBase`)
     inv_freq: Tensor
     _embed_tokens: Any  # the policy's modules (shared, not registered)
     _lm_head: Any

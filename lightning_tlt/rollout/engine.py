@@ -34,7 +34,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -53,6 +53,7 @@ from lightning_tlt.core.types import (
     StepEvent,
     StepListener,
 )
+from lightning_tlt.drafters.base import Drafter, capability
 from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.drafters.suffix import SuffixDrafter
 from lightning_tlt.rollout.compiling import CompileTracker
@@ -221,7 +222,7 @@ class RolloutEngine:
                 f"{type(unwrap_model(model)).__name__} runs on the generic HF path, which does not speculate",
                 stacklevel=2,
             )
-        self._drafter: Any = default_drafter(spec, runs) if spec.enabled else None
+        self._drafter: Drafter | None = default_drafter(spec, runs) if spec.enabled else None
         self._drafter_handle = 0  # a new one whenever the drafter object is replaced (graph keys)
         self._handles = 0  # handles handed out so far
         self._staged: tuple[EagleDrafter, int] | None = None  # `stage_drafter`'s drafter and its handle
@@ -344,7 +345,7 @@ class RolloutEngine:
 
     # ------------------------------------------------------------------ the drafter
     @property
-    def drafter(self) -> Any:
+    def drafter(self) -> Drafter | None:
         """What speculation drafts with (`SuffixDrafter`, a frozen `EagleDrafter`, ...), or ``None``.
 
         Assigning replaces it (the graphs captured for the old one are freed); `set_drafter`
@@ -353,7 +354,7 @@ class RolloutEngine:
         return self._drafter
 
     @drafter.setter
-    def drafter(self, drafter: Any) -> None:
+    def drafter(self, drafter: Drafter | None) -> None:
         if drafter is self._drafter:
             return
         self._drafter = drafter
@@ -381,9 +382,9 @@ class RolloutEngine:
         Args:
             drafter: the drafter to be published (a training drafter is copied, never held).
         """
-        if not isinstance(drafter, EagleDrafter):
+        if not capability(drafter, "runs_on_device"):
             raise TypeError(f"stage_drafter takes an EagleDrafter, got {type(drafter).__name__}")
-        if not self._spec_on or isinstance(self._drafter, EagleDrafter):
+        if not self._spec_on or self._drafter_on_device():
             return  # nothing speculates, or publishing copies into the current EAGLE drafter in place
         if tuple(drafter.feature_layers or ()) != self._capture_layers():
             return  # an EAGLE-3 drafter needs other feature buffers: its hand-over rebuilds them anyway
@@ -393,7 +394,7 @@ class RolloutEngine:
         self._staged = (drafter, self._handles)
         self._staged_compiled = False
 
-    def set_drafter(self, drafter: Any, version: int | None = None) -> bool:
+    def set_drafter(self, drafter: Drafter | None, version: int | None = None) -> bool:
         """Publish ``drafter`` to the engine; returns whether it was taken.
 
         An `EagleDrafter` whose weights are not all finite is refused with a warning (the engine
@@ -408,7 +409,8 @@ class RolloutEngine:
             drafter: the drafter (a training `EagleDrafter` is copied, never held).
             version: the version to record; ``None`` advances `drafter_version` by one.
         """
-        if isinstance(drafter, EagleDrafter):
+        if drafter is not None and capability(drafter, "runs_on_device"):
+            drafter = cast(EagleDrafter, drafter)  # the one device drafter: weights published in place
             bad = [name for name, t in drafter.state_dict().items() if not bool(torch.isfinite(t).all())]
             if bad:
                 warnings.warn(
@@ -418,8 +420,8 @@ class RolloutEngine:
                 )
                 return False
             current, staged = self._drafter, None if self._staged is None else self._staged[0]
-            if isinstance(current, EagleDrafter) and current is not drafter and current.same_layout(drafter):
-                current.copy_weights_from(drafter)
+            if self._drafter_on_device() and current is not drafter and cast(EagleDrafter, current).same_layout(drafter):
+                cast(EagleDrafter, current).copy_weights_from(drafter)
             elif staged is not None and staged is not drafter and staged.same_layout(drafter):
                 staged.copy_weights_from(drafter)
                 self.drafter = staged
@@ -431,6 +433,10 @@ class RolloutEngine:
             self.drafter = drafter
         self.drafter_version = self.drafter_version + 1 if version is None else int(version)
         return True
+
+    def _drafter_on_device(self) -> bool:
+        """Whether the current drafter runs inside the step's graph (an EAGLE drafter), not on the host."""
+        return self._drafter is not None and bool(capability(self._drafter, "runs_on_device"))
 
     # ------------------------------------------------------------------ adaptive state
     def adaptive_state_dict(self) -> dict[str, Any]:
@@ -544,7 +550,7 @@ class RolloutEngine:
     # ------------------------------------------------------------------ buffers
     def _capture_layers(self) -> tuple[int, ...]:
         """HF ``hidden_states`` indices an EAGLE-3 drafter reads (``()``: the last hidden state)."""
-        layers = getattr(self._drafter, "feature_layers", None) if self._spec_on else None
+        layers = capability(self._drafter, "feature_layers") if self._spec_on and self._drafter is not None else None
         return tuple(layers) if layers else ()
 
     def _ensure_buffers(self) -> None:
@@ -722,7 +728,7 @@ class RolloutEngine:
         st, cache, runner = self._state, self._cache, self._runner
         assert st is not None and cache is not None and runner is not None
         device = self.device
-        drafter = self._drafter if self._spec_on and isinstance(self._drafter, EagleDrafter) else None
+        drafter = cast(EagleDrafter, self._drafter) if self._spec_on and self._drafter_on_device() else None
         new_slots = {slot for slot, _ in admitted}
         by_prompt: dict[int, list[int]] = {}
         prompt_of: dict[int, tuple[int, ...]] = {}
@@ -834,7 +840,7 @@ class RolloutEngine:
                 k = self._choose_k(n)
                 if k == 0:
                     self._launch_plain(run, key, n)
-                elif isinstance(self._drafter, EagleDrafter):
+                elif self._drafter_on_device():
                     self._launch_speculative(run, key, n, k)
                 else:
                     self._host_speculative(run, key, k)
@@ -878,6 +884,7 @@ class RolloutEngine:
         """An EAGLE step: nothing is read back now (the flags and counts follow one step late)."""
         graphs, st = self._graphs, self._state
         assert graphs is not None and st is not None and st.spec is not None and self._spec_step is not None
+        assert self._drafter is not None  # `_choose_k` speculates only with one
         active = list(self._scheduler.active)
         batch = graphs.bucket(n)
         kv_len = self._kv_len(run, active, k + 1)
@@ -894,7 +901,7 @@ class RolloutEngine:
         while run.pending:  # settle the steps in flight: the drafter reads the rows' tokens
             self._process(run.pending.popleft(), run)
         sched, graphs, st = self._scheduler, self._graphs, self._state
-        assert graphs is not None and st is not None and self._spec_step is not None
+        assert graphs is not None and st is not None and self._spec_step is not None and self._drafter is not None
         n = sched.num_active
         if n == 0:
             return
@@ -1080,7 +1087,7 @@ def _draft_cost(draft_cost: float, k: int, rows: int) -> float:
     return 1.0 + draft_cost * k
 
 
-def default_drafter(config: SpeculativeConfig, model: nn.Module) -> Any:
+def default_drafter(config: SpeculativeConfig, model: nn.Module) -> Drafter | None:
     """The drafter a `SpeculativeConfig` asks for: a `SuffixDrafter`, or a frozen `EagleDrafter`
     (loaded from ``drafter_path``, else cold from the policy)."""
     if config.method == "suffix":
