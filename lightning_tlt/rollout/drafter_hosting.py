@@ -119,6 +119,16 @@ class DrafterHosting(EngineState):
         self.drafter_version = self.drafter_version + 1 if version is None else int(version)
         return True
 
+    @property
+    def drafter_handle(self) -> int:
+        """The current drafter's graph handle: a new one whenever the drafter object is replaced."""
+        return self._drafter_handle
+
+    @property
+    def staged_drafter(self) -> EagleDrafter | None:
+        """The frozen copy `stage_drafter` holds for a later hand-over (``None``: nothing staged)."""
+        return None if self._staged is None else self._staged[0]
+
     def _drafter_on_device(self) -> bool:
         """Whether the current drafter runs inside the step's graph (an EAGLE drafter), not on the host."""
         return self._drafter is not None and bool(capability(self._drafter, "runs_on_device"))

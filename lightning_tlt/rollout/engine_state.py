@@ -33,7 +33,7 @@ from lightning_tlt.drafters.base import Drafter, capability
 from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.drafters.suffix import SuffixDrafter
 from lightning_tlt.rollout.compiling import CompileTracker
-from lightning_tlt.rollout.cuda_graphs import CUDAGraphProfileCache
+from lightning_tlt.rollout.cuda_graphs import CUDAGraphProfileCache, GraphProfile
 from lightning_tlt.rollout.gate import AdaptiveGate
 from lightning_tlt.rollout.inference_copy import InferenceCopy, resolve_dtype
 from lightning_tlt.rollout.scheduler import SlotScheduler
@@ -231,6 +231,41 @@ class EngineState:
     def graph_stats(self) -> dict[str, float]:
         """The graph cache's counters (empty before the first native ``generate``)."""
         return self._graphs.stats.as_dict() if self._graphs is not None else {}
+
+    # ------------------------------------------------------------------ read API (inspection, tests)
+    @property
+    def graph_cache(self) -> CUDAGraphProfileCache | None:
+        """The graph cache of the current buffers (``None`` before the first native ``generate``)."""
+        return self._graphs
+
+    def graph_profiles(self) -> list[GraphProfile]:
+        """The step profiles whose graphs are captured now (empty before the first native ``generate``)."""
+        return [] if self._graphs is None else self._graphs.profiles()
+
+    @property
+    def slot_state(self) -> SlotState | None:
+        """Every per-slot tensor of the current buffers (``None`` before the first native ``generate``)."""
+        return self._state
+
+    @property
+    def draft_vocabulary(self) -> DraftVocabulary:
+        """The draft vocabulary an EAGLE drafter drafts from, and the token counts that choose it."""
+        return self._vocab
+
+    @property
+    def speculative_step(self) -> SpeculativeStep | None:
+        """The speculative step of the current buffers (``None`` without speculation or before them)."""
+        return self._spec_step
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the steps run compiled (``False`` before buffers are built, or after a compiler failure)."""
+        return self._compiled
+
+    @property
+    def runner(self) -> ModelRunner | None:
+        """The functional runner the engine decodes with (``None``: the HF fallback)."""
+        return self._runner
 
     # ------------------------------------------------------------------ listeners
     def add_listener(self, fn: StepListener) -> None:

@@ -197,6 +197,11 @@ class SpeculativeStep:
         if bias_rows is not None and bias is not None:
             bias_rows.copy_(bias[ids])
 
+    @property
+    def last_k(self) -> int:
+        """Tokens drafted a row by the last step (0 after a plain step: no catch-up block is current)."""
+        return self._k_prev
+
     def plain_step(self) -> None:
         """A plain decode step ran: the catch-up blocks and host mirrors are out of date."""
         self._k_prev = 0
