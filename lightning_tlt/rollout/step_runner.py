@@ -26,6 +26,7 @@ from lightning_tlt.rollout.cuda_graphs import (
     DEFAULT_BUCKETS,
     CUDAGraphBackend,
     CUDAGraphProfileCache,
+    GraphBackend,
     GraphProfile,
 )
 from lightning_tlt.rollout.drafter_hosting import DrafterHosting
@@ -102,6 +103,18 @@ class StepRunner(DrafterHosting):
         ]
         self._pinned_next = 0
         self._layout = layout
+
+    def use_graph_backend(self, backend: GraphBackend) -> CUDAGraphProfileCache:
+        """Allocate the buffers now and capture every step with ``backend`` from now on (until the buffers'
+        layout changes): another capture mechanism, or a test double that records what is captured.
+
+        The new graph cache has the engine's batch buckets, slots and graph memory budget; it is returned.
+        """
+        self._ensure_buffers()
+        assert self._graphs is not None
+        self._graphs = CUDAGraphProfileCache(backend, buckets=self._graphs.buckets, max_batch=self.num_slots,
+                                             memory_budget_bytes=self._graph_memory_budget)
+        return self._graphs
 
     def _load_compile_cache(self, capture: tuple[int, ...]) -> None:
         """Point the tracker at this layout's persistent compile cache and load it (once per process)."""

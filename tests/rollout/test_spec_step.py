@@ -167,8 +167,7 @@ class CountingBackend:
 def test_twenty_drafter_swaps_keep_the_graph_cache_bounded() -> None:
     model = build_model("qwen2", "tiny", seed=0)
     engine = eagle_engine(model, slots=2)
-    engine._ensure_buffers()
-    engine._graphs = CUDAGraphProfileCache(CountingBackend(), max_batch=2)
+    engine.use_graph_backend(CountingBackend())
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=8, stop_token_ids=[])
     sizes = []
     for i in range(20):
@@ -240,8 +239,7 @@ def test_one_graph_per_bucket_and_k_whatever_the_last_k() -> None:
                                tuner_prune_margin=None)  # k keeps changing, whatever the CPU clock says
     engine = RolloutEngine(model, max_seq_len=64, max_batch_size=8, speculative=config)
     engine.drafter = EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(0)).inference_copy()
-    engine._ensure_buffers()
-    engine._graphs = CUDAGraphProfileCache(CountingBackend(), max_batch=8)
+    engine.use_graph_backend(CountingBackend())
     ks: list[int] = []
     engine.add_listener(lambda e: ks.append(engine.speculative_step.last_k) if e.phase == "speculative" else None)  # type: ignore[union-attr]
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=30, stop_token_ids=[])
@@ -265,12 +263,12 @@ def test_a_stale_catch_up_block_wider_than_the_step_is_never_indexed() -> None:
     engine = eagle_engine(model, slots=4, num_draft_tokens=8)
     engine.generate([[5, 6, 7]], SamplingConfig(temperature=1.0, max_new_tokens=4, stop_token_ids=[]), num_samples=2)
     st = engine.slot_state
-    assert st is not None and st.spec is not None and engine._spec_step is not None
+    assert st is not None and st.spec is not None and engine.speculative_step is not None
     st.finished[:4] = torch.tensor([False, False, False, True])
     st.spec.cu_fresh[:4] = True
     st.spec.cu_valid[:4] = torch.tensor([2, 9, 3, 9])
-    engine._spec_step.begin(model.lm_head)
-    engine._spec_step._eagle_step(engine._context(), 4, 8, 3, SamplingKey(1.0, 0, 1.0), engine.drafter, None)
+    engine.speculative_step.begin(model.lm_head)
+    engine.speculative_step._eagle_step(engine._context(), 4, 8, 3, SamplingKey(1.0, 0, 1.0), engine.drafter, None)
     assert int(st.spec.draft_lens[0]) == 8  # it ran through
     captured: list[object] = []
 
@@ -279,7 +277,7 @@ def test_a_stale_catch_up_block_wider_than_the_step_is_never_indexed() -> None:
             captured.append(reset)
             return _Replayable(fn, 1)
 
-    engine._graphs = CUDAGraphProfileCache(Backend(), max_batch=4)
+    engine.use_graph_backend(Backend())
     engine.generate([[5, 6, 7]], SamplingConfig(temperature=1.0, max_new_tokens=6, stop_token_ids=[]), num_samples=2)
     assert captured and all(callable(r) for r in captured)
 
@@ -299,8 +297,8 @@ def test_every_step_shape_of_a_speculating_engine_stays_compiled(monkeypatch: py
         config = SpeculativeConfig(method="eagle", threshold=16, hysteresis_steps=1, draft_vocab_size=64)
         engine = RolloutEngine(model, max_seq_len=64, max_batch_size=16, compile=True, speculative=config)
         engine._ensure_buffers()
-        assert engine._spec_step is not None and engine.slot_state is not None and engine._cache is not None
-        engine._spec_step.begin(model.lm_head)
+        assert engine.speculative_step is not None and engine.slot_state is not None and engine._cache is not None
+        engine.speculative_step.begin(model.lm_head)
         st = engine.slot_state
         st.begin([], 20)
         st.finished[:] = False
@@ -312,7 +310,7 @@ def test_every_step_shape_of_a_speculating_engine_stays_compiled(monkeypatch: py
         for batch in (16, 8, 4, 2, 1):
             for k in (8, 2, 4, 6):
                 for width in (1, 3, 5, 9):
-                    engine._spec_step._eagle_step(engine._context(), batch, k, width, key, drafter, None)
+                    engine.speculative_step._eagle_step(engine._context(), batch, k, width, key, drafter, None)
         assert dynamo_config.recompile_limit >= 64 and engine.compile_failures == []
 
 
@@ -426,9 +424,8 @@ def test_capturing_draws_nothing_the_rollouts_see(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
     engine = RolloutEngine(build_model("qwen2", "tiny", seed=0), max_batch_size=8, max_seq_len=64, compile=True,
                            compile_cache=False)  # fmt: skip
-    engine._ensure_buffers()
-    assert engine._graphs is not None
-    engine._graphs = CUDAGraphProfileCache(WarmupBackend(), buckets=engine._graphs.buckets, max_batch=8)
+    engine.use_graph_backend(WarmupBackend())
+    assert engine.graph_cache is not None
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=24)
     prompts = [[3, 17, 25], [9, 40, 11, 4]]
     first = engine.generate(prompts, sampling, num_samples=3, generator=torch.Generator().manual_seed(7))
@@ -460,10 +457,9 @@ def test_graphs_are_captured_on_first_use_only_and_leave_no_trace(monkeypatch: p
         engine.drafter = drafter
         assert engine.tuner is not None
         engine.tuner.cost_model = lambda k, rows: 1e-3 * (1 + 0.1 * k)  # the same k choices in both runs
-        engine._ensure_buffers()
-        assert engine._graphs is not None
         if graphs:
-            engine._graphs = CUDAGraphProfileCache(WarmupBackend(), buckets=engine._graphs.buckets, max_batch=8)
+            engine.use_graph_backend(WarmupBackend())
+            assert engine.graph_cache is not None
         seen: set[tuple[str, int, int]] = set()
         run = engine._run_step
 
@@ -510,9 +506,8 @@ def test_a_staged_drafters_graphs_survive_its_publication(monkeypatch: pytest.Mo
     for staged in (True, False):
         engine = RolloutEngine(model, max_seq_len=48, max_batch_size=8, speculative=spec, compile=True,
                                compile_cache=False)  # fmt: skip
-        engine._ensure_buffers()
-        assert engine._graphs is not None
-        engine._graphs = CUDAGraphProfileCache(WarmupBackend(), buckets=engine._graphs.buckets, max_batch=8)
+        engine.use_graph_backend(WarmupBackend())
+        assert engine.graph_cache is not None
         if staged:
             engine.stage_drafter(cold)
             assert engine.staged_drafter is not None and engine.staged_drafter is not cold  # a frozen copy, not the trainee
@@ -559,7 +554,6 @@ def test_the_tuner_never_scores_a_step_that_captured_a_graph() -> None:
                                hysteresis_steps=1, tuner_epsilon=0.0, tuner_min_samples=2)
     engine = RolloutEngine(model, max_seq_len=96, max_batch_size=8, speculative=config)
     engine.drafter = EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(0)).inference_copy()
-    engine._ensure_buffers()
     captures = [0]
 
     class Backend(CountingBackend):
@@ -567,7 +561,7 @@ def test_the_tuner_never_scores_a_step_that_captured_a_graph() -> None:
             captures[0] += 1
             return super().capture(fn, reset)
 
-    engine._graphs = CUDAGraphProfileCache(Backend(), max_batch=8)
+    engine.use_graph_backend(Backend())
     tuner = engine.tuner
     assert tuner is not None
     start, stop = tuner.start, tuner.stop
