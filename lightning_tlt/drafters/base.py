@@ -2,9 +2,10 @@
 
 The two drafters are driven differently, and the protocol does not pretend otherwise:
 
-- `lightning_tlt.drafters.suffix.SuffixDrafter` is model-free and host-side: the engine calls
-  ``propose_batch(...)`` with each row's tokens and packs the lists into a `DraftProposal` with
-  `DraftProposal.from_lists` (deterministic drafts, ``probs=None``).
+- `lightning_tlt.drafters.suffix.SuffixDrafter` is model-free and host-side: the engine calls its
+  ``draft_rows(...)`` with each row's tokens and prompt group, which looks them up
+  (``propose_batch``) and packs the lists with `DraftProposal.from_lists` (deterministic drafts,
+  ``probs=None``).
 - `lightning_tlt.drafters.eagle.EagleDrafter` is an ``nn.Module`` over the policy's hidden states;
   the engine runs its decoder layer itself (with its own KV cache and CUDA graphs), chaining k
   draft steps, and builds the `DraftProposal` from the sampled tokens and their processed
