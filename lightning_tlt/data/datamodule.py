@@ -11,11 +11,9 @@ and is exactly resumable: `state_dict` holds the data position and the sampling 
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
@@ -26,7 +24,6 @@ from typing_extensions import override
 from lightning_tlt.core.types import (
     DrafterHost,
     RolloutBackend,
-    RolloutOutput,
     SamplingConfig,
     SpeculativeConfig,
     StepListener,
@@ -39,20 +36,28 @@ from lightning_tlt.data.rewards import (
     drop_overflowing_groups,
     reward_func_name,
 )
+from lightning_tlt.data.rollout_support import (
+    batch_metrics,
+    check_dataset_size,
+    check_sampled_from_finite_logits,
+    check_task_names,
+    engine_metrics,
+    load_tokenizer,
+    module_settings,
+    to_batch,
+)
 from lightning_tlt.data.sources import (
     check_prompt_column,
-    describe_source,
     is_task_name,
     load_prompts,
     resolve_reward_funcs,
 )
-from lightning_tlt.rl.advantages import combine_rewards, group_advantages, nanstd, normalize_scale_rewards
-from lightning_tlt.rl.batch import RolloutBatch, RolloutSettings, RolloutSettingsSource, pad_left, pad_right
+from lightning_tlt.rl.advantages import combine_rewards, group_advantages, normalize_scale_rewards
+from lightning_tlt.rl.batch import RolloutBatch, RolloutSettings
 from lightning_tlt.rollout.factory import make_engine
 
 if TYPE_CHECKING:
     from datasets import Dataset
-
 
 
 @dataclass
@@ -213,7 +218,7 @@ class RolloutDataModule(pl.LightningDataModule):
     @override
     def setup(self, stage: str) -> None:
         module = self.trainer.lightning_module if self.trainer is not None else None
-        self.prepare(policy=getattr(module, "policy", None), settings=_module_settings(module))
+        self.prepare(policy=getattr(module, "policy", None), settings=module_settings(module))
 
     def prepare(self, policy: torch.nn.Module | None = None, settings: RolloutSettings | None = None) -> None:
         """Load data, tokenizer and reward functions, and take unset options from ``settings``.
@@ -236,7 +241,7 @@ class RolloutDataModule(pl.LightningDataModule):
             self._check_context(self._policy)
 
     def _load_all(self) -> None:
-        self.tokenizer = _load_tokenizer(self._tokenizer_arg, self._policy)
+        self.tokenizer = load_tokenizer(self._tokenizer_arg, self._policy)
         self.train_data, task = self._load(self._dataset_arg, split="train", size=self.task_size)
         if self._eval_arg is not None:
             self.eval_data, _ = self._load(self._eval_arg, split="test", size=self.eval_size)
@@ -490,13 +495,13 @@ class RolloutDataModule(pl.LightningDataModule):
         rewards, overflowed = drop_overflowing_groups(combine_rewards(per_func, weights), g, self.scale_rewards,
                                                       prompts, self.on_reward_error)
         advantages, adv_stats = group_advantages(rewards, g, self.scale_rewards)
-        batch = _to_batch(out, self.tokenizer.pad_token_id or 0, rewards, per_func, advantages, g, step)
+        batch = to_batch(out, self.tokenizer.pad_token_id or 0, rewards, per_func, advantages, g, step)
         batch.prompts, batch.completions = prompts, completions
         batch.reward_func_names = [reward_func_name(f) for f in self.reward_funcs]
         if split == "train":
             self._num_tokens += int(batch.prompt_mask.sum() + batch.completion_mask.sum())
             self._rl_step += 1
-        batch.metrics = _metrics(batch, out, adv_stats, errors, nonfinite, reward_time, self._num_tokens)
+        batch.metrics = batch_metrics(batch, out, adv_stats, errors, nonfinite, reward_time, self._num_tokens)
         if overflowed:
             batch.metrics["rewards/overflow_groups"] = float(overflowed)
         batch.metrics.update({name: sum(v) / len(v) for name, v in logged.items()})
@@ -536,158 +541,6 @@ class RolloutDataModule(pl.LightningDataModule):
                 self._engine.load_adaptive_state_dict(adaptive)
             else:
                 self._adaptive_state = dict(adaptive)
-
-
-def check_sampled_from_finite_logits(out: RolloutOutput, step: int) -> None:
-    """Refuse completions sampled from logits that are not finite (a policy whose weights diverged):
-    their tokens are garbage, every row runs to the length cap, and training on them spreads the NaN.
-
-    A token's sampling log-probability is NaN (or ``+inf``) exactly when the logits it was drawn from
-    were not finite; the sum of a row's log-probabilities shows it (cheap: one pass on the host).
-
-    Raises:
-        FloatingPointError: naming the step and how many completions are affected.
-    """
-    bad = [i for i, lp in enumerate(out.logprobs) if lp and not sum(lp) < math.inf]
-    if bad:
-        raise FloatingPointError(
-            f"RL step {step}: {len(bad)} of {len(out.logprobs)} completions (first: #{bad[0]}) were sampled from "
-            f"logits that are not finite: the policy's weights are not finite (diverged, or overwritten); "
-            f"stopping before training on them"
-        )
-
-
-def check_task_names(dataset: Any, eval_dataset: Any = None, difficulty: int = 1) -> None:
-    """Refuse an unknown zoo task name, a difficulty it does not have, or a file or directory that is not
-    there (cheap: run before any other work; files are read later, in `RolloutDataModule.prepare`).
-
-    Raises:
-        ValueError: naming the task and the registered ones, the allowed difficulties, or the missing path
-            (`DataSourceError`).
-    """
-    for arg in (dataset, eval_dataset):
-        if isinstance(arg, str) and describe_source(arg) == "task":
-            from lightning_tlt.tasks import get_task
-
-            get_task(arg).check_difficulty(difficulty)
-
-
-def check_dataset_size(num_prompts: int, prompts_per_step: int, world_size: int = 1) -> None:
-    """Refuse a dataset too small for one RL step: each of ``world_size`` ranks takes ``prompts_per_step`` prompts.
-
-    Raises:
-        ValueError: naming the dataset size, ``prompts_per_step`` and the world size.
-    """
-    needed = prompts_per_step * world_size
-    if num_prompts < needed:
-        ranks = f" x world size {world_size} = {needed}" if world_size > 1 else ""
-        raise ValueError(
-            f"the dataset has {num_prompts} prompts, fewer than prompts_per_step={prompts_per_step}{ranks} "
-            "that one RL step takes (every rank takes its own prompts); give more prompts (task_size for a "
-            "zoo task) or lower prompts_per_step"
-        )
-
-
-def _module_settings(module: Any) -> RolloutSettings | None:
-    """The module's rollout options, through the declared `RolloutSettingsSource` interface."""
-    return module.rollout_settings() if isinstance(module, RolloutSettingsSource) else None
-
-
-def _load_tokenizer(arg: Any, policy: torch.nn.Module | None = None) -> Any:
-    """``arg`` (a tokenizer, or a directory to load one from); ``None``: the tokenizer saved beside a policy loaded
-    from an HF directory (``policy.path``), else the kit's own."""
-    if arg is None:
-        from lightning_tlt.models.tokenizer import build_tokenizer
-
-        source = str(getattr(getattr(policy, "config", None), "_name_or_path", "") or "")
-        if source and (Path(source) / "tokenizer_config.json").is_file():
-            arg = source
-    if arg is None:
-
-        return build_tokenizer()
-    if isinstance(arg, str):
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(arg)
-    return arg
-
-
-def _to_batch(
-    out: RolloutOutput, pad_id: int, rewards: torch.Tensor, per_func: torch.Tensor, advantages: torch.Tensor,
-    g: int, step: int,
-) -> RolloutBatch:
-    prompt_ids, prompt_mask = pad_left(out.prompt_ids, pad_id)
-    completion_ids, completion_mask = pad_right(out.completion_ids, pad_id, torch.long)
-    logprobs, _ = pad_right(out.logprobs, 0.0, torch.float32)
-    return RolloutBatch(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-        completion_mask=completion_mask, sampling_logprobs=logprobs, rewards=rewards, rewards_per_func=per_func,
-        advantages=advantages, is_truncated=torch.tensor([r == "length" for r in out.finish_reasons]),
-        num_generations=g, step=step,
-    )
-
-
-def _metrics(
-    batch: RolloutBatch, out: RolloutOutput, adv_stats: dict[str, torch.Tensor], errors: dict[str, int],
-    nonfinite: dict[str, int], reward_time: float, num_tokens: int,
-) -> dict[str, float]:
-    """TRL's rollout metrics (names of ``GRPOTrainer``) plus the kit's engine and speculation figures."""
-    lengths = batch.completion_mask.sum(1).float()  # (B,)
-    truncated = batch.is_truncated
-    terminated = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
-    m: dict[str, float] = {
-        "num_tokens": float(num_tokens),
-        "completions/mean_length": lengths.mean().item(),
-        "completions/min_length": lengths.min().item(),
-        "completions/max_length": lengths.max().item(),
-        "completions/clipped_ratio": truncated.float().mean().item(),
-        "completions/mean_terminated_length": terminated.mean().item(),
-        "reward": torch.nanmean(batch.rewards).item(),
-        "reward_std": nanstd(batch.rewards).item(),
-        "frac_reward_zero_std": adv_stats["frac_reward_zero_std"].item(),
-        "rollout/reward_time_s": reward_time,
-    }
-    for j, name in enumerate(batch.reward_func_names):
-        col = batch.rewards_per_func[:, j]
-        m[f"rewards/{name}/mean"] = torch.nanmean(col).item()
-        m[f"rewards/{name}/std"] = nanstd(col).item()
-        if name in errors:
-            m[f"rewards/{name}/errors"] = float(errors[name])
-        if name in nonfinite:
-            m[f"rewards/{name}/nonfinite"] = float(nonfinite[name])
-    m.update(engine_metrics(out.stats))
-    return m
-
-
-def engine_metrics(stats: dict[str, float]) -> dict[str, float]:
-    """The kit's rollout metrics from `RolloutOutput.stats`: ``rollout/*`` and ``spec/*``.
-
-    ``spec/fraction`` is the share of decode steps that speculated and ``spec/accept_len`` the
-    mean tokens accepted per speculative row-step (the engine's ``spec/acceptance_length``); the
-    engine's other ``spec/*`` figures pass through (per-position acceptance rates excepted).
-    ``rollout/compile_s``, ``rollout/capture_s`` and ``rollout/graph_captures``: only in a call that
-    compiled a step function or captured a CUDA graph (each is done once, on first use).
-    """
-    m: dict[str, float] = {}
-    for key, name in (("tokens_per_s", "rollout/tokens_per_s"), ("wall_time_s", "rollout/time_s"),
-                      ("steps", "rollout/steps"), ("tokens_per_s/decode", "rollout/tokens_per_s_decode"),
-                      ("tokens_per_s/speculative", "rollout/tokens_per_s_speculative")):
-        if key in stats:
-            m[name] = float(stats[key])
-    if stats.get("compile/captures", 0.0) > 0 or stats.get("compile/compile_s", 0.0) > 0:
-        for key, name in (("compile/compile_s", "rollout/compile_s"), ("compile/capture_s", "rollout/capture_s"),
-                          ("compile/captures", "rollout/graph_captures")):
-            m[name] = float(stats.get(key, 0.0))
-    decode, spec = stats.get("steps_decode", 0.0), stats.get("steps_speculative", 0.0)
-    share = stats.get("spec/speculative_step_share", spec / (decode + spec) if decode + spec > 0 else 0.0)
-    m["spec/fraction"] = float(share)
-    if "spec/acceptance_length" in stats:
-        m["spec/accept_len"] = float(stats["spec/acceptance_length"])
-    for key, value in stats.items():
-        if key.startswith("spec/") and "_pos" not in key and key not in ("spec/acceptance_length",
-                                                                          "spec/speculative_step_share"):
-            m[key] = float(value)
-    return m
 
 
 __all__ = ["RolloutDataModule", "RolloutSettings", "check_dataset_size", "check_task_names", "engine_metrics"]

@@ -2,9 +2,10 @@
 
 The two drafters are driven differently, and the protocol does not pretend otherwise:
 
-- `lightning_tlt.drafters.suffix.SuffixDrafter` is model-free and host-side: the engine calls
-  ``propose_batch(...)`` with each row's tokens and packs the lists into a `DraftProposal` with
-  `DraftProposal.from_lists` (deterministic drafts, ``probs=None``).
+- `lightning_tlt.drafters.suffix.SuffixDrafter` is model-free and host-side: the engine calls its
+  ``draft_rows(...)`` with each row's tokens and prompt group, which looks them up
+  (``propose_batch``) and packs the lists with `DraftProposal.from_lists` (deterministic drafts,
+  ``probs=None``).
 - `lightning_tlt.drafters.eagle.EagleDrafter` is an ``nn.Module`` over the policy's hidden states;
   the engine runs its decoder layer itself (with its own KV cache and CUDA graphs), chaining k
   draft steps, and builds the `DraftProposal` from the sampled tokens and their processed
@@ -12,11 +13,17 @@ The two drafters are driven differently, and the protocol does not pretend other
 
 Either way verification is `lightning_tlt.rollout.verify.verify_chain(proposal.tokens,
 proposal.probs, target_probs, proposal.lens, generator)`.
+
+Each drafter answers for itself: besides the `Drafter` protocol's members, an engine asks a drafter
+for its optional capabilities (`DrafterBase` lists them with their defaults) through `capability`,
+the one place where a drafter that does not declare one gets its default. A user's host drafter
+with nothing but ``draft(contexts, k, sampling, generator, device) -> DraftProposal`` keeps
+working: it runs on the host, reads no features and remembers nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -44,6 +51,78 @@ class Drafter(Protocol):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> Any:
         """Restore what `state_dict` returned."""
         ...
+
+
+@dataclass(frozen=True)
+class DraftRow:
+    """What an engine tells a host drafter about one row it drafts for."""
+
+    group: Hashable
+    """The row's prompt group: its prompt (siblings, samples of one prompt, share it)."""
+    row_id: Hashable
+    """The row's identity, unique within the engine's lifetime (`DrafterBase.finish_row` names it)."""
+    prompt_len: int
+    """Tokens of the row's context that are its prompt."""
+
+
+class DrafterBase:
+    """The optional capabilities of a drafter, with their defaults: those of a host drafter.
+
+    Subclassing is optional: `capability` gives a drafter that lacks one of these members the
+    default below (bound to the drafter, for methods).
+
+    Attributes:
+        runs_on_device: ``True``: the engine runs the drafter inside the step's graph, over the
+            policy's features and its own KV cache (an `lightning_tlt.drafters.eagle.EagleDrafter`,
+            whose weights are published in place and can be staged); ``False``: a host drafter, whose
+            `draft_rows` the engine calls with each row's tokens before every speculative step.
+        feature_layers: HF ``hidden_states`` indices it reads (EAGLE-3), ``None``: the last hidden state.
+    """
+
+    name: str = "custom"
+    needs_features: bool = False
+    runs_on_device: bool = False
+    feature_layers: Sequence[int] | None = None
+
+    def draft_rows(
+        self,
+        contexts: Sequence[Sequence[int]],
+        k: int,
+        sampling: Any,
+        generator: torch.Generator | None,
+        device: torch.device,
+        rows: Sequence[DraftRow],
+    ) -> DraftProposal:
+        """A host drafter's drafts for ``contexts`` (each row's tokens so far), ``k`` a row.
+
+        The default calls ``self.draft(contexts, k, sampling, generator, device)`` (the host-drafter
+        contract that predates ``rows``); a drafter that uses the rows' groups overrides it.
+
+        Args:
+            sampling: the call's `lightning_tlt.core.types.SamplingConfig` (temperature, top-k, top-p).
+            rows: one `DraftRow` per context.
+        """
+        draft = getattr(self, "draft", None)
+        if draft is None:
+            raise TypeError(f"{type(self).__name__} is a host drafter without draft(...) or draft_rows(...)")
+        proposal: DraftProposal = draft(contexts, k, sampling, generator, device)
+        return proposal
+
+    def finish_row(self, group: Hashable, row_id: Hashable) -> None:
+        """Row ``row_id`` of ``group`` ended; a drafter that remembers rollouts (for the row's siblings)
+        keeps it. The default remembers nothing."""
+
+
+def capability(drafter: object, name: str) -> Any:
+    """``drafter``'s own ``name`` (a `DrafterBase` member), or `DrafterBase`'s default, bound to it.
+
+    The one place where the optional capabilities get their defaults: an engine never tells drafters
+    apart by their type, it asks them.
+    """
+    if hasattr(drafter, name):
+        return getattr(drafter, name)
+    default = getattr(DrafterBase, name)
+    return default.__get__(drafter) if callable(default) else default
 
 
 @dataclass

@@ -29,6 +29,10 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from lightning_tlt.drafters.base import DrafterBase, DraftProposal, DraftRow
+
 # sources, from most to least preferred when two matches are equally long
 _OWN, _SIBLING, _FINISHED, _PROMPT = 3, 2, 1, 0
 
@@ -98,7 +102,7 @@ class _Group:
     finished: deque[_SeqIndex] = field(default_factory=deque)
 
 
-class SuffixDrafter:
+class SuffixDrafter(DrafterBase):
     """Prompt- and group-lookup drafter (model-free, host-side).
 
     Typical use by an engine, per speculative step, for each active row: ``propose(context, k,
@@ -293,6 +297,23 @@ class SuffixDrafter:
             )
             for i in range(rows)
         ]
+
+    def draft_rows(
+        self,
+        contexts: Sequence[Sequence[int]],
+        k: int,
+        sampling: Any,
+        generator: torch.Generator | None,
+        device: torch.device,
+        rows: Sequence[DraftRow],
+    ) -> DraftProposal:
+        """`propose_batch` over the rows' groups, packed as a deterministic `DraftProposal` (the
+        engine's host-drafter call; ``sampling`` and ``generator`` are not used: lookups are greedy)."""
+        drafts = self.propose_batch(
+            contexts, k, groups=[r.group for r in rows], row_ids=[r.row_id for r in rows],
+            prompt_lens=[r.prompt_len for r in rows],
+        )  # fmt: skip
+        return DraftProposal.from_lists(drafts, k, device=device)
 
     # ----------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict[str, Any]:

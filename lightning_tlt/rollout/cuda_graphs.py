@@ -218,6 +218,10 @@ class CUDAGraphProfileCache:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def profiles(self) -> list[GraphProfile]:
+        """The profiles captured now, least recently replayed first."""
+        return list(self._graphs)
+
     def run(self, profile: GraphProfile, fn: Callable[[], None], *, capture: bool = True) -> None:
         """Replay ``profile``'s graph, capturing ``fn`` first on a miss (when ``capture``).
 

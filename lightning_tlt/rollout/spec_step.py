@@ -43,16 +43,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
 from lightning_tlt.core.kv_cache import KVCache
 from lightning_tlt.core.runner import rope_cos_sin
-from lightning_tlt.drafters.base import DraftProposal
+from lightning_tlt.core.types import SamplingConfig
+from lightning_tlt.drafters.base import Drafter, DraftRow, capability
 from lightning_tlt.drafters.eagle import EagleDrafter
-from lightning_tlt.drafters.suffix import SuffixDrafter
 from lightning_tlt.rollout.cuda_graphs import CUDAGraphProfileCache, GraphProfile
 from lightning_tlt.rollout.scheduler import Request
 from lightning_tlt.rollout.slot_state import SlotState
@@ -197,16 +197,22 @@ class SpeculativeStep:
         if bias_rows is not None and bias is not None:
             bias_rows.copy_(bias[ids])
 
+    @property
+    def last_k(self) -> int:
+        """Tokens drafted a row by the last step (0 after a plain step: no catch-up block is current)."""
+        return self._k_prev
+
     def plain_step(self) -> None:
         """A plain decode step ran: the catch-up blocks and host mirrors are out of date."""
         self._k_prev = 0
 
-    def finished(self, requests: Sequence[Request], drafter: Any) -> None:
-        """Rows ended: a suffix drafter remembers their rollouts for their siblings."""
+    def finished(self, requests: Sequence[Request], drafter: Drafter | None) -> None:
+        """Rows ended: a drafter that remembers rollouts (the suffix drafter) keeps them for their siblings."""
+        finish_row = capability(drafter, "finish_row") if drafter is not None else None
         for r in requests:
             self._contexts.pop(r.index, None)
-            if isinstance(drafter, SuffixDrafter):
-                drafter.finish_row(r.prompt, (self._call, r.index))
+            if finish_row is not None:
+                finish_row(r.prompt, (self._call, r.index))
 
     # ------------------------------------------------------------------ prefill
     def prefill_drafter(
@@ -238,7 +244,7 @@ class SpeculativeStep:
         batch: int,
         k: int,
         sampling: SamplingKey,
-        drafter: Any,
+        drafter: Drafter,
         drafter_handle: int,
         kv_len: int | None,
     ) -> list[list[int]] | None:
@@ -250,7 +256,8 @@ class SpeculativeStep:
         """
         st = ctx.state
         assert st.spec is not None
-        if isinstance(drafter, EagleDrafter):
+        if capability(drafter, "runs_on_device"):
+            drafter = cast(EagleDrafter, drafter)  # the one device drafter
             self._check_features(st, drafter)
             st.ensure_drafter_cache(drafter.num_kv_heads, drafter.head_dim, ctx.cache.max_seq_len,
                                     drafter.fc.weight.dtype)
@@ -363,7 +370,7 @@ class SpeculativeStep:
 
     # ------------------------------------------------------------------ host drafting
     def _draft_host(
-        self, ctx: StepContext, active: Sequence[Request], k: int, sampling: SamplingKey, drafter: Any
+        self, ctx: StepContext, active: Sequence[Request], k: int, sampling: SamplingKey, drafter: Drafter
     ) -> bool:
         """Drafts of a host-side drafter into the static buffers; returns whether they came with probabilities."""
         st = ctx.state
@@ -375,19 +382,11 @@ class SpeculativeStep:
             self._sync_contexts(st, active, missing)
         contexts = [self._contexts[r.index] for r in active]
         device = spec.draft_tokens.device
-        if isinstance(drafter, SuffixDrafter):
-            drafts = drafter.propose_batch(
-                contexts, k, groups=[r.prompt for r in active],
-                row_ids=[(self._call, r.index) for r in active], prompt_lens=[len(r.prompt) for r in active],
-            )  # fmt: skip
-            proposal = DraftProposal.from_lists(drafts, k, device=device)
-        else:
-            from lightning_tlt.core.types import SamplingConfig
-
-            config = SamplingConfig(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
-            proposal = drafter.draft(contexts, k, config, ctx.generator, device)
-            if proposal.num_draft_tokens != k or proposal.tokens.shape[0] != n:
-                raise ValueError(f"drafter.draft must return ({n}, {k}) drafts, got {tuple(proposal.tokens.shape)}")
+        config = SamplingConfig(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+        rows = [DraftRow(r.prompt, (self._call, r.index), len(r.prompt)) for r in active]
+        proposal = capability(drafter, "draft_rows")(contexts, k, config, ctx.generator, device, rows)
+        if proposal.num_draft_tokens != k or proposal.tokens.shape[0] != n:
+            raise ValueError(f"drafter.draft must return ({n}, {k}) drafts, got {tuple(proposal.tokens.shape)}")
         spec.draft_tokens[:n, :k] = proposal.tokens
         spec.draft_lens[:n] = proposal.lens
         spec.draft_lens[n:] = 0

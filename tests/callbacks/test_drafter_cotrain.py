@@ -374,10 +374,10 @@ def test_suffix_drafter_speculates_until_the_eagle_drafter_beats_it(tmp_path: Pa
     assert "spec/acceptance_length" in engine.last_stats  # the suffix drafter did speculate
     if margin < 0:  # the first evaluation (queued at step 1, read at step 2) beats it by -100: handed off then
         assert isinstance(engine.drafter, EagleDrafter) and engine.drafter is cb.published
-        assert cb.version == 2 and engine._staged is None  # the copy staged at fit start took over
+        assert cb.version == 2 and engine.staged_drafter is None  # the copy staged at fit start took over
     else:  # never good enough: the suffix drafter stays, nothing is published
         assert isinstance(engine.drafter, SuffixDrafter) and cb.published is None
-        assert engine._staged is not None  # staged at fit start, ready for a hand-over
+        assert engine.staged_drafter is not None  # staged at fit start, ready for a hand-over
         assert cb.version == 0 and cb.learner is not None and cb.learner.steps_enqueued > 0
 
 

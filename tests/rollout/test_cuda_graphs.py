@@ -162,9 +162,8 @@ def test_engine_graph_warmup_leaves_no_trace() -> None:
     plain = RolloutEngine(model, max_seq_len=16, max_batch_size=4)
     ref = plain.generate(prompts, cfg, num_samples=2, generator=torch.Generator().manual_seed(7))
     graphed = RolloutEngine(model, max_seq_len=16, max_batch_size=4)
-    graphed._ensure_buffers()
     backend = WarmupBackend()
-    graphed._graphs = CUDAGraphProfileCache(backend, max_batch=4)
+    graphed.use_graph_backend(backend)
     out = graphed.generate(prompts, cfg, num_samples=2, generator=torch.Generator().manual_seed(7))
     assert out.completion_ids == ref.completion_ids
     assert out.logprobs == ref.logprobs
@@ -195,8 +194,7 @@ def test_speculative_graph_warmups_see_the_live_state() -> None:
         engine.tuner.cost_model = lambda k, rows: 1e-3 * (1 + 0.1 * k)  # the same k choices in both runs
         backend = WarmupBackend()
         if graphs:
-            engine._ensure_buffers()
-            engine._graphs = CUDAGraphProfileCache(backend, max_batch=8)
+            engine.use_graph_backend(backend)
         outs.append(engine.generate(prompts, cfg, generator=torch.Generator().manual_seed(3)))
     assert outs[1].completion_ids == outs[0].completion_ids and outs[1].logprobs == outs[0].logprobs
     assert backend.captures > 4 and outs[1].stats["spec/acceptance_length"] > 2.0

@@ -61,7 +61,7 @@ def test_an_optimizer_step_on_the_policy_reaches_the_fused_weights(optimizer: st
     model = build_model("qwen2", "tiny", seed=0)
     engine = RolloutEngine(model, max_seq_len=32, max_batch_size=2, fuse_projections=True)
     engine.generate(PROMPTS, GREEDY)
-    runner = engine._runner
+    runner = engine.runner
     assert runner is not None and runner._fused is not None
     fused = runner._fused[0]
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, **{optimizer: True})
@@ -108,7 +108,7 @@ def test_compiled_fused_engine_matches_eager() -> None:
         warnings.simplefilter("always")
         out = engine.generate(PROMPTS, GREEDY)
     assert not [w for w in caught if "compile" in str(w.message) and "failed" in str(w.message)]
-    assert engine._compiled and out.completion_ids == ref.completion_ids
+    assert engine.compiled and out.completion_ids == ref.completion_ids
     with torch.no_grad():  # an in-place change between calls: the compiled steps read the refreshed copy
         model.model.layers[0].mlp.gate_proj.weight.mul_(-1.0)
     again = engine.generate(PROMPTS, GREEDY)
@@ -120,7 +120,7 @@ def test_a_policy_moved_to_another_dtype_gets_new_fused_weights() -> None:
     model = build_model("qwen2", "tiny", seed=0)
     engine = RolloutEngine(model, max_seq_len=32, max_batch_size=2, fuse_projections=True, compile=False)
     engine.generate(PROMPTS, GREEDY)
-    runner = engine._runner
+    runner = engine.runner
     assert runner is not None and runner._fused is not None and runner._fused[0].qkv_weight.dtype == torch.float32
     model.to(torch.float64)
     runner.sync_fused()

@@ -168,7 +168,7 @@ def test_eagle3_drafter_in_the_engine() -> None:
     out = engine.generate(PROMPTS[:3], greedy, num_samples=2)
     plain = RolloutEngine(model, max_seq_len=40, max_batch_size=4).generate(PROMPTS[:3], greedy, num_samples=2)
     assert out.completion_ids == plain.completion_ids
-    assert engine._state.hidden.shape[1] == 3 * model.config.hidden_size
+    assert engine.slot_state.hidden.shape[1] == 3 * model.config.hidden_size
     assert out.stats["spec/steps"] > 0
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=12, stop_token_ids=[])
     sampled = engine.generate(PROMPTS[:2], cfg, num_samples=2, generator=torch.Generator().manual_seed(2))
@@ -179,7 +179,7 @@ def test_eagle3_drafter_in_the_engine() -> None:
         torch.testing.assert_close(torch.tensor(logprobs), ref, atol=1e-4, rtol=1e-4)
     engine.drafter = EagleDrafter.from_target(model).inference_copy()  # back to EAGLE-1: buffers follow
     assert engine.generate(PROMPTS[:3], greedy, num_samples=2).completion_ids == plain.completion_ids
-    assert engine._state.hidden.shape[1] == model.config.hidden_size
+    assert engine.slot_state.hidden.shape[1] == model.config.hidden_size
 
 
 def test_eagle_features_follow_the_alignment_convention() -> None:
@@ -191,7 +191,7 @@ def test_eagle_features_follow_the_alignment_convention() -> None:
     prompt = [4, 5, 6, 7]
     engine.generate([prompt], cfg)
     completion = engine.generate([prompt], cfg).completion_ids[0]
-    st = engine._state
+    st = engine.slot_state
     # the finished row keeps its last pending token and the feature that predicted it
     seq = prompt + completion
     with torch.no_grad():

@@ -47,7 +47,7 @@ def test_rows_admitted_while_speculating_start_their_own_history() -> None:
     drafter = engine.drafter
 
     def at_prefill(event: StepEvent) -> None:
-        st = engine._state
+        st = engine.slot_state
         assert st is not None and st.spec is not None and st.spec.dcache is not None
         if event.phase == "prefill" and event.step > 1:  # the second request, admitted mid-call
             seen.update(prefix_end=int(st.spec.prefix_end[0]), start=int(st.spec.draft_start[0]),
@@ -71,11 +71,11 @@ def test_rows_admitted_while_speculating_start_their_own_history() -> None:
     alone_first = eagle_engine(model, slots=1)
     alone_first.drafter = drafter
     alone_first.generate([first], GREEDY)
-    counters_first = alone_first._state.counters.clone()
+    counters_first = alone_first.slot_state.counters.clone()
     alone_second = eagle_engine(model, slots=1)
     alone_second.drafter = drafter
     out = alone_second.generate([second], GREEDY)
-    torch.testing.assert_close(engine._state.counters - counters_first, alone_second._state.counters)
+    torch.testing.assert_close(engine.slot_state.counters - counters_first, alone_second.slot_state.counters)
     assert both.completion_ids[1] == out.completion_ids[0]
 
 
@@ -167,16 +167,15 @@ class CountingBackend:
 def test_twenty_drafter_swaps_keep_the_graph_cache_bounded() -> None:
     model = build_model("qwen2", "tiny", seed=0)
     engine = eagle_engine(model, slots=2)
-    engine._ensure_buffers()
-    engine._graphs = CUDAGraphProfileCache(CountingBackend(), max_batch=2)
+    engine.use_graph_backend(CountingBackend())
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=8, stop_token_ids=[])
     sizes = []
     for i in range(20):
         engine.drafter = EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(i)).inference_copy()
         engine.generate([[5, 6], [7, 8, 9]], cfg, generator=torch.Generator().manual_seed(i))
-        sizes.append(len(engine._graphs))
-        assert all(p.extra[1] == engine._drafter_handle for p in engine._graphs._graphs if p.phase == "spec")
-    assert sizes[0] > 0 and any(p.phase == "spec" for p in engine._graphs._graphs)  # the swaps had graphs to free
+        sizes.append(len(engine.graph_profiles()))
+        assert all(p.extra[1] == engine.drafter_handle for p in engine.graph_profiles() if p.phase == "spec")
+    assert sizes[0] > 0 and any(p.phase == "spec" for p in engine.graph_profiles())  # the swaps had graphs to free
     # a replaced drafter's graphs are freed, never accumulated: at most one step over 2 rows and one over
     # the last row (whether the two rows end in the same step depends on what they sample)
     assert max(sizes) <= 2
@@ -189,20 +188,20 @@ def test_drafts_come_from_the_draft_vocabulary() -> None:
     drafted: list[int] = []
 
     def record(event: StepEvent) -> None:
-        st = engine._state
+        st = engine.slot_state
         if event.phase == "speculative" and st is not None and st.spec is not None:
             drafted.extend(st.spec.draft_tokens[: event.active_rows + 1, :3].flatten().tolist())
 
     engine.add_listener(record)
-    allowed = set(engine._vocab.ids().tolist())
+    allowed = set(engine.draft_vocabulary.ids().tolist())
     assert allowed == set(range(16))  # before any rollout is counted: the first ids
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=20, stop_token_ids=[])
     engine.generate([[5, 6, 7], [40, 41]], cfg, num_samples=2, generator=torch.Generator().manual_seed(0))
     assert drafted and set(drafted) <= allowed
     # after the call the vocabulary follows the policy's own rollouts: its most frequent tokens
-    counts = engine._vocab.counts
+    counts = engine.draft_vocabulary.counts
     top = set(torch.argsort(-counts, stable=True)[:16].tolist())
-    assert set(engine._vocab.ids().tolist()) == top and counts.sum() == 2 * 2 * 20
+    assert set(engine.draft_vocabulary.ids().tolist()) == top and counts.sum() == 2 * 2 * 20
 
 
 def test_changing_k_and_shrinking_batches_keep_padding_rows_inert() -> None:
@@ -240,17 +239,16 @@ def test_one_graph_per_bucket_and_k_whatever_the_last_k() -> None:
                                tuner_prune_margin=None)  # k keeps changing, whatever the CPU clock says
     engine = RolloutEngine(model, max_seq_len=64, max_batch_size=8, speculative=config)
     engine.drafter = EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(0)).inference_copy()
-    engine._ensure_buffers()
-    engine._graphs = CUDAGraphProfileCache(CountingBackend(), max_batch=8)
+    engine.use_graph_backend(CountingBackend())
     ks: list[int] = []
-    engine.add_listener(lambda e: ks.append(engine._spec_step._k_prev) if e.phase == "speculative" else None)  # type: ignore[union-attr]
+    engine.add_listener(lambda e: ks.append(engine.speculative_step.last_k) if e.phase == "speculative" else None)  # type: ignore[union-attr]
     cfg = SamplingConfig(temperature=0.0, max_new_tokens=30, stop_token_ids=[])
     prompts = [[4 + i, 9 + 2 * i, 7] for i in range(6)]
     out = engine.generate(prompts, cfg)
     ref = RolloutEngine(model, max_seq_len=64, max_batch_size=8).generate(prompts, cfg)
     assert out.completion_ids == ref.completion_ids
     assert len({(a, b) for a, b in zip(ks, ks[1:]) if a != b}) >= 3  # the last k varied under each k
-    spec = [p for p in engine._graphs._graphs if p.phase == "spec"]
+    spec = [p for p in engine.graph_profiles() if p.phase == "spec"]
     # one per bucket, k and (on the CPU's SDPA path) KV-length bucket: none per last k
     assert spec and len(spec) == len({(p.batch, p.tokens_per_row, p.extra[2]) for p in spec})
 
@@ -264,13 +262,13 @@ def test_a_stale_catch_up_block_wider_than_the_step_is_never_indexed() -> None:
     model = build_model("qwen2", "tiny", seed=0)
     engine = eagle_engine(model, slots=4, num_draft_tokens=8)
     engine.generate([[5, 6, 7]], SamplingConfig(temperature=1.0, max_new_tokens=4, stop_token_ids=[]), num_samples=2)
-    st = engine._state
-    assert st is not None and st.spec is not None and engine._spec_step is not None
+    st = engine.slot_state
+    assert st is not None and st.spec is not None and engine.speculative_step is not None
     st.finished[:4] = torch.tensor([False, False, False, True])
     st.spec.cu_fresh[:4] = True
     st.spec.cu_valid[:4] = torch.tensor([2, 9, 3, 9])
-    engine._spec_step.begin(model.lm_head)
-    engine._spec_step._eagle_step(engine._context(), 4, 8, 3, SamplingKey(1.0, 0, 1.0), engine.drafter, None)
+    engine.speculative_step.begin(model.lm_head)
+    engine.speculative_step._eagle_step(engine._context(), 4, 8, 3, SamplingKey(1.0, 0, 1.0), engine.drafter, None)
     assert int(st.spec.draft_lens[0]) == 8  # it ran through
     captured: list[object] = []
 
@@ -279,7 +277,7 @@ def test_a_stale_catch_up_block_wider_than_the_step_is_never_indexed() -> None:
             captured.append(reset)
             return _Replayable(fn, 1)
 
-    engine._graphs = CUDAGraphProfileCache(Backend(), max_batch=4)
+    engine.use_graph_backend(Backend())
     engine.generate([[5, 6, 7]], SamplingConfig(temperature=1.0, max_new_tokens=6, stop_token_ids=[]), num_samples=2)
     assert captured and all(callable(r) for r in captured)
 
@@ -299,9 +297,9 @@ def test_every_step_shape_of_a_speculating_engine_stays_compiled(monkeypatch: py
         config = SpeculativeConfig(method="eagle", threshold=16, hysteresis_steps=1, draft_vocab_size=64)
         engine = RolloutEngine(model, max_seq_len=64, max_batch_size=16, compile=True, speculative=config)
         engine._ensure_buffers()
-        assert engine._spec_step is not None and engine._state is not None and engine._cache is not None
-        engine._spec_step.begin(model.lm_head)
-        st = engine._state
+        assert engine.speculative_step is not None and engine.slot_state is not None and engine._cache is not None
+        engine.speculative_step.begin(model.lm_head)
+        st = engine.slot_state
         st.begin([], 20)
         st.finished[:] = False
         st.positions.fill_(10)
@@ -312,7 +310,7 @@ def test_every_step_shape_of_a_speculating_engine_stays_compiled(monkeypatch: py
         for batch in (16, 8, 4, 2, 1):
             for k in (8, 2, 4, 6):
                 for width in (1, 3, 5, 9):
-                    engine._spec_step._eagle_step(engine._context(), batch, k, width, key, drafter, None)
+                    engine.speculative_step._eagle_step(engine._context(), batch, k, width, key, drafter, None)
         assert dynamo_config.recompile_limit >= 64 and engine.compile_failures == []
 
 
@@ -370,7 +368,7 @@ def test_each_step_function_compiles_once_for_every_bucket_and_draft_length(
     assert speculated[1] and any(speculated[2:]), speculated  # the suffix drafter, then EAGLE
     assert sum(lone[1:]) > 0, f"the tails ran down to a lone row: {lone}"
     assert len(ks - {0}) >= 2, f"several draft lengths were met: {ks}"
-    assert engine._graphs is not None and engine._graphs.buckets[0] == 2
+    assert engine.graph_cache is not None and engine.graph_cache.buckets[0] == 2
     assert sorted(compiled) == sorted(["_model_step", "_model_step", "decode_update", "verify_update",
                                        "verify_update", "catch_up_rows", "chain_row", "draft_sample"]), compiled
     assert sum(per_call) == len(compiled), per_call  # every version Dynamo made is one of those
@@ -462,9 +460,8 @@ def test_capturing_draws_nothing_the_rollouts_see(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
     engine = RolloutEngine(build_model("qwen2", "tiny", seed=0), max_batch_size=8, max_seq_len=64, compile=True,
                            compile_cache=False)  # fmt: skip
-    engine._ensure_buffers()
-    assert engine._graphs is not None
-    engine._graphs = CUDAGraphProfileCache(WarmupBackend(), buckets=engine._graphs.buckets, max_batch=8)
+    engine.use_graph_backend(WarmupBackend())
+    assert engine.graph_cache is not None
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=24)
     prompts = [[3, 17, 25], [9, 40, 11, 4]]
     first = engine.generate(prompts, sampling, num_samples=3, generator=torch.Generator().manual_seed(7))
@@ -496,10 +493,9 @@ def test_graphs_are_captured_on_first_use_only_and_leave_no_trace(monkeypatch: p
         engine.drafter = drafter
         assert engine.tuner is not None
         engine.tuner.cost_model = lambda k, rows: 1e-3 * (1 + 0.1 * k)  # the same k choices in both runs
-        engine._ensure_buffers()
-        assert engine._graphs is not None
         if graphs:
-            engine._graphs = CUDAGraphProfileCache(WarmupBackend(), buckets=engine._graphs.buckets, max_batch=8)
+            engine.use_graph_backend(WarmupBackend())
+            assert engine.graph_cache is not None
         seen: set[tuple[str, int, int]] = set()
         run = engine._run_step
 
@@ -512,7 +508,7 @@ def test_graphs_are_captured_on_first_use_only_and_leave_no_trace(monkeypatch: p
         stats.append(dict(engine.last_stats))
         met.append(seen)
         if graphs:
-            captured = {(p.phase, p.batch, p.tokens_per_row) for p in engine._graphs.stats.captured}
+            captured = {(p.phase, p.batch, p.tokens_per_row) for p in engine.graph_cache.stats.captured}
     assert outs[1].completion_ids == outs[0].completion_ids and outs[1].logprobs == outs[0].logprobs
     assert captured == met[1] == met[0]  # every profile met, and only those
     assert stats[1]["compile/captures"] == len(captured) and stats[0]["compile/captures"] == 0
@@ -522,7 +518,8 @@ def test_graphs_are_captured_on_first_use_only_and_leave_no_trace(monkeypatch: p
     # a call whose rows never fall to the gate's threshold captures no speculative profile
     engine.generate(prompts[:4], SamplingConfig(temperature=1.0, max_new_tokens=4, stop_token_ids=[]),
                     num_samples=2, generator=torch.Generator().manual_seed(4))
-    assert not [p for p in engine._graphs.stats.captured[len(captured):] if p.phase == "spec"]
+    assert engine.graph_cache is not None
+    assert not [p for p in engine.graph_cache.stats.captured[len(captured):] if p.phase == "spec"]
 
 
 def test_a_staged_drafters_graphs_survive_its_publication(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -545,15 +542,15 @@ def test_a_staged_drafters_graphs_survive_its_publication(monkeypatch: pytest.Mo
     for staged in (True, False):
         engine = RolloutEngine(model, max_seq_len=48, max_batch_size=8, speculative=spec, compile=True,
                                compile_cache=False)  # fmt: skip
-        engine._ensure_buffers()
-        assert engine._graphs is not None
-        engine._graphs = CUDAGraphProfileCache(WarmupBackend(), buckets=engine._graphs.buckets, max_batch=8)
+        engine.use_graph_backend(WarmupBackend())
+        assert engine.graph_cache is not None
         if staged:
             engine.stage_drafter(cold)
-            assert engine._staged is not None and engine._staged[0] is not cold  # a frozen copy, not the trainee
+            assert engine.staged_drafter is not None and engine.staged_drafter is not cold  # a frozen copy, not the trainee
         engine.generate(prompts, cfg, num_samples=2, generator=torch.Generator().manual_seed(2))
         assert isinstance(engine.drafter, SuffixDrafter) and engine.last_stats["spec/steps"] > 0
-        graphs = engine._graphs
+        graphs = engine.graph_cache
+        assert graphs is not None
 
         def eagle(graphs: CUDAGraphProfileCache = graphs) -> list[GraphProfile]:
             return [p for p in graphs.stats.captured if p.phase == "spec"]
@@ -593,7 +590,6 @@ def test_the_tuner_never_scores_a_step_that_captured_a_graph() -> None:
                                hysteresis_steps=1, tuner_epsilon=0.0, tuner_min_samples=2)
     engine = RolloutEngine(model, max_seq_len=96, max_batch_size=8, speculative=config)
     engine.drafter = EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(0)).inference_copy()
-    engine._ensure_buffers()
     captures = [0]
 
     class Backend(CountingBackend):
@@ -601,7 +597,7 @@ def test_the_tuner_never_scores_a_step_that_captured_a_graph() -> None:
             captures[0] += 1
             return super().capture(fn, reset)
 
-    engine._graphs = CUDAGraphProfileCache(Backend(), max_batch=8)
+    engine.use_graph_backend(Backend())
     tuner = engine.tuner
     assert tuner is not None
     start, stop = tuner.start, tuner.stop
