@@ -3,10 +3,14 @@ step (`StepRecorder`), and c (``trl``) with TRL's ``GRPOTrainer``; each run a un
 
 from __future__ import annotations
 
+import collections
 import datetime as dt
 import faulthandler
+import os
 import platform
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -90,9 +94,13 @@ class StepRecorder(Callback):
         self._nonfinite_before_update: list[str] = []
         self._nonfinite_after_update: list[str] = []
         self._graphs_seen = (0.0, 0.0)  # the engine's (captures, capture s) at the last step's end
+        self._recent: collections.deque[StepEvent] = collections.deque(maxlen=8)  # for the watchdog's report
+        self._timer: threading.Timer | None = None
+        self.trainer: pl.Trainer | None = None
         self._compiled_seen = compile_seconds()  # Dynamo's seconds in this process at the last step's end
 
     def _on_event(self, event: StepEvent) -> None:
+        self._recent.append(event)
         if event.phase == "done":
             return
         if event.active_rows <= self.tail_rows:
@@ -101,6 +109,7 @@ class StepRecorder(Callback):
             self._bulk_s += event.step_time_s
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.trainer = trainer
         sync()
         self._start = self._last_end = time.perf_counter()
         self._compiled_seen = compile_seconds()
@@ -201,8 +210,41 @@ class StepRecorder(Callback):
         bounds = [max(left, 0.0) + self.watchdog_s] if self.watchdog_s > 0 else []
         if after_first_step and self.step_timeout_s > 0:  # step 0 compiles and captures: only the deadline
             bounds.append(self.step_timeout_s)
+        self.disarm_watchdog()
         if bounds:
-            faulthandler.dump_traceback_later(min(bounds), exit=True)
+            self._timer = threading.Timer(min(bounds), self._hung)
+            self._timer.daemon = True
+            self._timer.start()
+            # the backstop, from a C thread: it fires even where the hung call holds the GIL
+            faulthandler.dump_traceback_later(min(bounds) + 30.0, exit=True)
+
+    def disarm_watchdog(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        faulthandler.cancel_dump_traceback_later()
+
+    def _hung(self) -> None:
+        """The watchdog fired: say which side is stuck (the device's main stream, the drafter's side stream,
+        or neither: the host), the engine's last steps, then every thread's stack; end the process."""
+        lines = [f"{self.name}: WATCHDOG after {len(self.steps)} finished steps; the engine's last step events:"]
+        lines += [f"  {e.phase} rows {e.active_rows} queued {e.queued_rows} k {e.draft_tokens} "
+                  f"captured {e.captured} {e.step_time_s * 1e3:.1f} ms" for e in self._recent]
+        try:  # queries never wait for the device
+            lines.append(f"  main stream idle: {torch.cuda.default_stream().query()}" if torch.cuda.is_available()
+                         else "  (CPU)")
+            cotrain = [c for c in (self.trainer.callbacks if self.trainer else []) if hasattr(c, "learner")]  # type: ignore[attr-defined]
+            learner = cotrain[0].learner if cotrain else None
+            if learner is not None:
+                lines.append(f"  drafter steps in flight on the side stream: {learner.in_flight()} "
+                             f"(handed over so far: {learner.steps_enqueued}); last pacing: "
+                             f"{list(cotrain[0].step_log[-4:])}")
+        except Exception as err:  # the report must not hide the stacks below
+            lines.append(f"  (state unreadable: {err!r})")
+        log("\n".join(lines))
+        faulthandler.dump_traceback(all_threads=True)
+        sys.stderr.flush()
+        os._exit(3)
 
 
 class _TrainEndMarker(Callback):
@@ -314,7 +356,7 @@ def run_lightning(
         error = f"{type(err).__name__}: {err}"
         log(f"{name} seed {seed} stopped: {error}")
     finally:
-        faulthandler.cancel_dump_traceback_later()
+        recorder.disarm_watchdog()
     total = time.perf_counter() - t0
     graphs = getattr(data.engine, "graph_stats", None)
     run = {

@@ -261,9 +261,28 @@ def test_the_e2e_step_watchdog_ends_a_hung_step_with_every_threads_stack() -> No
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 3 and "not ended" not in run.stdout
+    assert "tlt: WATCHDOG after 0 finished steps" in run.stdout  # which side is stuck, then every stack
+    assert "main stream idle" in run.stdout or "(CPU)" in run.stdout
+    assert 'File "<string>", line 6' in run.stderr  # the main thread, where it waited
+    assert "in _hung" in run.stderr  # and the watchdog's own thread
+
+
+def test_the_e2e_watchdogs_backstop_ends_a_process_whose_hung_call_holds_the_gil() -> None:
+    """A hung call that never lets the watchdog's Python thread run (it holds the GIL): faulthandler's C
+    thread ends the process 30 s after the bound, with the stacks."""
+    code = (
+        "import sys, time; sys.path.insert(0, 'benchmarks'); import e2e\n"
+        "r = e2e.StepRecorder('tlt', 32, 'c', time.perf_counter(), watchdog_s=0.5)\n"
+        "r.arm_watchdog()\n"
+        "r._timer.cancel()  # as if the GIL never came back to it\n"
+        "time.sleep(60)\n"
+        "print('not ended')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
     assert run.returncode != 0 and "not ended" not in run.stdout
-    assert "Timeout (0:00:01)!" in run.stderr  # the stack follows, from <string>
-    assert 'File "<string>", line 6' in run.stderr
+    assert "Timeout (0:00:30.500000)!" in run.stderr and 'File "<string>", line 5' in run.stderr
 
 
 @pytest.mark.slow  # about 40 s on 2 cores: two calls of the smoke pipeline
