@@ -212,15 +212,18 @@ class DecodeLoop(StepRunner):
         """Compile the staged EAGLE drafter's step functions now, at the first speculative step of the
         model-free drafter it will take over from: its hand-over (a later RL step, once the drafter is
         published) then captures graphs only, and no compile lands in the steady steps. An EAGLE step of
-        one draft token and one of two (the two versions every draft length needs) run on the live state
-        and are undone, as a capture's warm-up runs are; nothing is captured."""
+        one draft token, one of two and one of the longest length (the versions every draft length needs)
+        run on the live state and are undone, as a capture's warm-up runs are; nothing is captured."""
         assert self._staged is not None and self._state is not None and self._spec_step is not None
         self._staged_compiled = True  # once, whatever happens below
         drafter = self._staged[0]
         self._tracker.before_capture(self._graphs.stats if self._graphs is not None else None,
                                      f"the staged EAGLE drafter's step over {batch} rows")
-        # a draft of one token is a version of its own (Dynamo specialises size 1), longer ones share one
-        for length in sorted({1, min(2, self.max_draft_tokens)}):
+        # a draft of one token is a version of its own (Dynamo specialises size 1), and so is one as long as
+        # the draft buffers (a slice to their full width; on the H100 (2026-12-05) the EAGLE step at k = 8
+        # of 8 recompiled verify_update in RL step 2): the lengths between share one
+        longest = self.max_draft_tokens
+        for length in sorted({1, min(2, longest), longest}):
             reset = self._state.snapshot()
             try:
                 with self._compiling():
