@@ -226,7 +226,7 @@ def test_stall_steps_adapt_to_the_measured_decode_slowdown() -> None:
         before = cb.learner.steps_enqueued
         cb.on_step_event(StepEvent(i, "decode", 2, 0, 8, step_time * (2 if loaded else 1), new_tokens=2))
         loaded = cb.learner.steps_enqueued > before  # on the CPU a step runs at once, before the next decode step
-    assert cb._window.stall_events == 600
+    assert cb.stalls.window.stall_events == 600
     assert 600 * 0.03 <= cb.learner.steps_enqueued <= 600 * 0.08  # measured: 33 (5.5 %)
     assert cb.pacer.slowdown < 0.2
     # outside stalls nothing is queued
