@@ -234,6 +234,11 @@ class DrafterCoTrainCallback(Callback):
         whose weights they measured."""
 
     @property
+    def resume_pending(self) -> bool:
+        """Whether a loaded checkpoint state waits for the drafter (built at fit start) to take it."""
+        return self._pending_state is not None
+
+    @property
     def pacer(self) -> StallPacer:
         """How many drafter steps each stall event queues (the `StallScheduler`'s)."""
         return self.stalls.pacer
@@ -376,10 +381,11 @@ class DrafterCoTrainCallback(Callback):
 
     def _evaluate_now(self, trainer: pl.Trainer) -> Heldout | None:
         assert self.learner is not None
-        self.learner.evaluate(self.published, self._heldout_plans())
+        self.learner.evaluate(self.published, self.heldout_plans())
         return self._agree(trainer, 0.0, self.learner.take_evaluation())[1]
 
-    def _heldout_plans(self) -> list[torch.Tensor]:
+    def heldout_plans(self) -> list[torch.Tensor]:
+        """The plans of the held-out evaluation's batches (the buffer's newest ``eval_max_sequences`` held-out sequences)."""
         cfg = self.config
         return self.buffer.heldout_plans(cfg.batch_size, cfg.max_len, cfg.pack_segments, cfg.eval_max_sequences)
 
@@ -444,7 +450,7 @@ class DrafterCoTrainCallback(Callback):
             learner.prepare()  # the graph capture synchronizes: here, not in a stall
         learner.resume_after_main()  # later drafter steps see this boundary's buffer and weights
         if self._warm_started and (self.rl_steps == 1 or self.rl_steps % self.config.eval_every_n_steps == 0):
-            learner.evaluate(self.published, self._heldout_plans())
+            learner.evaluate(self.published, self.heldout_plans())
             self._last_eval_step = self.rl_steps
         self._log(pl_module, engine, heldout, published, stats)
 
