@@ -385,7 +385,7 @@ class DrafterCoTrainCallback(Callback):
         return self._agree(trainer, 0.0, self.learner.take_evaluation())[1]
 
     def heldout_plans(self) -> list[torch.Tensor]:
-        """The plans of the held-out evaluation's batches (the buffer's newest ``eval_max_sequences`` held-out sequences)."""
+        """The held-out evaluation's batch plans (the buffer's newest ``eval_max_sequences`` held-out sequences)."""
         cfg = self.config
         return self.buffer.heldout_plans(cfg.batch_size, cfg.max_len, cfg.pack_segments, cfg.eval_max_sequences)
 
