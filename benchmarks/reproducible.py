@@ -35,7 +35,7 @@ import torch
 from _common import add_common_flags, add_workload_flags, smoke_workload, workload_policy, write_results
 from e2e.options import E2EOptions
 
-from lightning_tlt.core.sampling import NOISE_SAMPLE, keyed_exponential, row_keys
+from lightning_tlt.core.sampling import NOISE_SAMPLE, call_seed, keyed_exponential, row_keys
 from lightning_tlt.core.types import RolloutOutput, SamplingConfig, SpeculativeConfig
 from lightning_tlt.models.tokenizer import encode_prompt
 from lightning_tlt.rollout.engine import RolloutEngine
@@ -51,7 +51,7 @@ ARMS: dict[str, dict[str, Any] | None] = {
 
 def call_keys(seed: int, prompts: list[list[int]], samples: int) -> list[int]:
     """The rows' noise keys of ``engine.generate(prompts, num_samples=samples, generator=manual_seed(seed))``."""
-    return row_keys(RolloutEngine._seed(torch.Generator().manual_seed(seed)), prompts, samples)
+    return row_keys(call_seed(torch.Generator().manual_seed(seed)), prompts, samples)
 
 
 def divergence(ref: RolloutOutput, out: RolloutOutput, keys: list[int]) -> dict[str, Any]:

@@ -64,8 +64,8 @@ def test_own_model_from_an_hf_directory_with_its_tokenizer_and_chat_template(
     dm = RolloutDataModule(str(prompts), ["lightning_tlt.tasks:arithmetic_correctness"], prompts_per_step=2)
     dm.prepare(policy=AutoModelForCausalLM.from_pretrained(tmp_path / "policy"))
     assert dm.tokenizer.chat_template == template
-    assert dm._train_prompt_ids[0] == encode_prompt(tokenizer, [{"role": "user", "content": "Compute 1+2\n"}])
-    assert tokenizer.decode(dm._train_prompt_ids[0]).endswith("<|assistant|>A:")
+    assert dm.prompt_ids()[0] == encode_prompt(tokenizer, [{"role": "user", "content": "Compute 1+2\n"}])
+    assert tokenizer.decode(dm.prompt_ids()[0]).endswith("<|assistant|>A:")
     # and `lightning-tlt fit` trains it from a config naming only the directory (plain prompts, as it was warm-started)
     plain = tmp_path / "plain.jsonl"
     plain.write_text("".join(json.dumps({"prompt": f"Compute {a}+{b}\n", "answer": str(a + b)}) + "\n"

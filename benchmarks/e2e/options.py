@@ -204,7 +204,8 @@ def attribute_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    """The e2e's flags: one per `E2EOptions` field, its help the field's docstring (`parse_args` reads them)."""
     from . import __doc__ as description
 
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -228,7 +229,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> E2EOptions:
     """The options from command-line flags (`E2EOptions`' checks run here, before any work)."""
-    given = vars(_parser().parse_args(argv))
+    given = vars(parser().parse_args(argv))
     if given.get("smoke"):
         smoke = ROOT / ".cache" / "e2e_smoke"
         results = ROOT / "benchmarks" / "results" / "smoke"  # git-ignored, like every benchmark's smoke output

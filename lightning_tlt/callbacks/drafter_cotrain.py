@@ -7,20 +7,22 @@ live in `lightning_tlt.drafters`:
 1. **Harvest** (`on_train_batch_end`): the RL module hands over the policy's last hidden state of
    every token of the step (`lightning_tlt.rl.common.PolicyFeatureSource`: a copy of what its
    training forward computed anyway); they go into a token-bounded `FeatureReplayBuffer`.
-2. **Stalls** (`on_step_event`, an engine listener): after a decode step with at most
-   ``stall_threshold`` active rows, the `StallPacer` decides how many drafter steps to queue (so
-   that the measured decode slowdown stays under ``max_decode_slowdown``), and the
-   `DrafterTrainer` hands them to the device: on CUDA a captured graph replayed on a side stream
-   (the decode loop never waits for it), on the CPU the same step run at once. Under DDP, once this
-   rank's ``generate`` is done it also trains while the other ranks still generate.
+2. **Stalls** (`on_step_event`, an engine listener, handing each event to the `StallScheduler`,
+   `lightning_tlt.drafters.stalls`): after a decode step with at most ``stall_threshold`` active
+   rows, the `StallPacer` decides how many drafter steps to queue (so that the measured decode
+   slowdown stays under ``max_decode_slowdown``), and the `DrafterTrainer` hands them to the device:
+   on CUDA a captured graph replayed on a side stream (the decode loop never waits for it), on the
+   CPU the same step run at once. Under DDP, once this rank's ``generate`` is done it also trains
+   while the other ranks still generate.
 3. **Ordering** (`on_before_optimizer_step`, called by Lightning before every policy optimizer
    step, under manual optimization too): the main stream waits for the queued drafter steps, which
    read the policy's embedding and LM head, before the policy's update overwrites them.
 4. **Boundary** (`on_train_batch_end`): weights averaged across ranks (DDP); published to the
    engine every ``publish_every_n_steps`` if an update was applied since (a step skipped as non-finite
    changes nothing, so it publishes no new version) (`engine.set_drafter`: finite-checked,
-   in place, versioned); held-out acceptance queued on the side stream every
-   ``eval_every_n_steps`` and read one boundary later.
+   in place, versioned), unless the rules of `lightning_tlt.drafters.publishing` hold it back (the
+   hand-over from a model-free drafter, ``publish_if_improves``); held-out acceptance queued on the
+   side stream every ``eval_every_n_steps`` and read one boundary later.
 5. **Warm start** (``warm_start``): train before the EAGLE drafter speculates, from a task's
    worked solutions at fit start or from the first RL step's rollouts.
 6. **Resume**: `state_dict` holds the drafter (trained and published), optimizer and counters, and
@@ -38,7 +40,6 @@ from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
@@ -51,6 +52,9 @@ from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.drafters.loss import expected_acceptance_length
 from lightning_tlt.drafters.offline import add_policy_features
 from lightning_tlt.drafters.pacing import StallPacer
+from lightning_tlt.drafters.publishing import Heldout, agree_across_ranks, drafts_model_free, publish_due
+from lightning_tlt.drafters.publishing import publish_drafter as publish_drafter
+from lightning_tlt.drafters.stalls import StallScheduler
 from lightning_tlt.drafters.trainer import DrafterTrainConfig, DrafterTrainer
 from lightning_tlt.rl.common import PolicyFeatureSource
 
@@ -157,16 +161,6 @@ class DrafterCoTrainConfig(DrafterTrainConfig):
                 )
 
 
-def publish_drafter(engine: DrafterHost, drafter: EagleDrafter, version: int) -> EagleDrafter | None:
-    """Publish ``drafter``'s weights to ``engine`` as ``version``; returns the engine's drafter.
-
-    The engine refuses non-finite weights (keeping what it drafts with) and copies in place where it
-    can (`lightning_tlt.core.types.DrafterHost.set_drafter`).
-    """
-    engine.set_drafter(drafter, version)
-    return cast(EagleDrafter | None, engine.drafter)
-
-
 def _weights(module: torch.nn.Module | None) -> dict[str, torch.Tensor] | None:
     return None if module is None else {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
@@ -216,28 +210,43 @@ class DrafterCoTrainCallback(Callback):
         """Runs the drafter's train steps (built at fit start with the drafter)."""
         self._engine = engine
         self.buffer = FeatureReplayBuffer(cfg.buffer_tokens, cfg.heldout_fraction, seed=cfg.seed)
-        self.pacer = StallPacer(cfg.max_steps_per_event, cfg.max_decode_slowdown,
-                                step_cost=cfg.drafter_step_cost if cfg.deterministic else None)
+        pacer = StallPacer(cfg.max_steps_per_event, cfg.max_decode_slowdown,
+                           step_cost=cfg.drafter_step_cost if cfg.deterministic else None)
+        self.stalls = StallScheduler(cfg.stall_threshold, pacer, deterministic=cfg.deterministic,
+                                     wait_max_steps=cfg.wait_max_steps, wait_budget_s=cfg.wait_budget_s)
+        """Queues the drafter steps of the stalls (and of the wait for other ranks), paced."""
         self.version = 0
         self.publications = 0
         self.rl_steps = 0
         """RL step boundaries seen (rollout batches trained on)."""
         self._published_updates = -1  # learner.applied_updates at the last publication
-        self._heldout: tuple[float, float] | None = None  # rank-mean (trained, published) of the last evaluation
-        self._eval_ready: tuple[float, float] | None = None  # an evaluation read early (at a checkpoint)
+        self._heldout: Heldout | None = None  # rank-mean (trained, published) of the last evaluation
+        self._eval_ready: Heldout | None = None  # an evaluation read early (at a checkpoint)
         self._last_eval_step = 0  # the RL step whose weights the last queued evaluation measures
         self._warm_started = cfg.warm_start == "none"
         self._listening_to: RolloutDataModule | DrafterHost | None = None
         self._trainer: pl.Trainer | None = None
         self._pending_state: dict[str, Any] | None = None
-        self._window = _Window()
         self.last_metrics: dict[str, float] = {}
         """What `on_train_batch_end` logged last."""
         self.evaluations: list[tuple[int, float, float]] = []
         """``(rl_step, trained, published)`` held-out acceptance rates (rank-mean) by the RL step
         whose weights they measured."""
-        self.step_log: list[tuple[str, int, int]] = []
+
+    @property
+    def resume_pending(self) -> bool:
+        """Whether a loaded checkpoint state waits for the drafter (built at fit start) to take it."""
+        return self._pending_state is not None
+
+    @property
+    def pacer(self) -> StallPacer:
+        """How many drafter steps each stall event queues (the `StallScheduler`'s)."""
+        return self.stalls.pacer
+
+    @property
+    def step_log(self) -> list[tuple[str, int, int]]:
         """``(reason, active_rows, steps)`` of every event that queued drafter steps (reason "stall" or "wait")."""
+        return self.stalls.step_log
 
     # ------------------------------------------------------------------ setup
     def setup_drafter(self, policy: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> EagleDrafter:
@@ -298,9 +307,7 @@ class DrafterCoTrainCallback(Callback):
         self._listen(trainer, engine)
 
     def _model_free(self, engine: DrafterHost) -> bool:
-        """Whether the engine drafts with a model-free drafter that the EAGLE drafter must beat first."""
-        current = engine.drafter
-        return self.config.handoff_margin is not None and current is not None and not isinstance(current, EagleDrafter)
+        return drafts_model_free(engine, self.config.handoff_margin)
 
     def engine(self, trainer: pl.Trainer | None = None) -> DrafterHost:
         """The engine this callback publishes to (the given one, else ``trainer.datamodule.engine``)."""
@@ -372,12 +379,13 @@ class DrafterCoTrainCallback(Callback):
             f"{'n/a' if before is None else f'{before[0]:.3f}'} -> {'n/a' if after is None else f'{after[0]:.3f}'}"
         )
 
-    def _evaluate_now(self, trainer: pl.Trainer) -> tuple[float, float] | None:
+    def _evaluate_now(self, trainer: pl.Trainer) -> Heldout | None:
         assert self.learner is not None
-        self.learner.evaluate(self.published, self._heldout_plans())
+        self.learner.evaluate(self.published, self.heldout_plans())
         return self._agree(trainer, 0.0, self.learner.take_evaluation())[1]
 
-    def _heldout_plans(self) -> list[torch.Tensor]:
+    def heldout_plans(self) -> list[torch.Tensor]:
+        """The held-out evaluation's batch plans (the buffer's newest ``eval_max_sequences`` held-out sequences)."""
         cfg = self.config
         return self.buffer.heldout_plans(cfg.batch_size, cfg.max_len, cfg.pack_segments, cfg.eval_max_sequences)
 
@@ -392,51 +400,11 @@ class DrafterCoTrainCallback(Callback):
             return
         cfg = self.config
         if event.phase == "done":
+            # how long the wait lasts is timing: nothing is trained then in deterministic mode
             if cfg.train_while_waiting and not cfg.deterministic and trainer is not None and trainer.world_size > 1:
-                self._train_while_waiting()
+                self.stalls.train_while_waiting(learner)
             return
-        if event.phase not in ("decode", "speculative") or not 0 < event.active_rows <= cfg.stall_threshold:
-            self.pacer.skip(learner.in_flight())
-            return
-        self._window.stall_events += 1
-        self._window.stall_time_s += event.step_time_s
-        n = self.pacer.plan(event.phase, event.active_rows, event.step_time_s, learner.in_flight(), event.captured,
-                            event.draft_tokens)
-        if n:
-            queued = learner.enqueue(n, block=cfg.deterministic)
-            self.pacer.queued(queued, learner.in_flight())
-            if queued:
-                self.step_log.append(("stall", event.active_rows, queued))
-
-    def _train_while_waiting(self) -> None:
-        """Queue drafter steps until every rank has finished generating (or the wait's budget is spent).
-
-        The one collective of this callback outside ``trainer.strategy``: Lightning's strategy collectives
-        (``reduce``, ``barrier``) block, and this rank must keep training while the others generate, so it
-        polls an asynchronous all-reduce (``async_op=True``) that completes once all ranks have entered it.
-        """
-        assert self.learner is not None
-        cfg = self.config
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if dist.get_backend() == "nccl"
-            else torch.device("cpu")
-        )
-        flag = torch.ones(1, device=device)
-        work = dist.all_reduce(flag, async_op=True)  # completes once every rank has finished generating
-        start = time.perf_counter()
-        steps = 0
-        while steps < cfg.wait_max_steps and time.perf_counter() - start < cfg.wait_budget_s:
-            if work.is_completed():
-                break
-            queued = self.learner.enqueue(1)
-            if not queued:  # the side stream is full: let it drain
-                time.sleep(0.0005)
-            steps += queued
-        work.wait()
-        self._window.wait_steps += steps
-        if steps:
-            self.step_log.append(("wait", 0, steps))
+        self.stalls.on_step(event, learner)
 
     # ------------------------------------------------------------------ ordering
     @override
@@ -482,7 +450,7 @@ class DrafterCoTrainCallback(Callback):
             learner.prepare()  # the graph capture synchronizes: here, not in a stall
         learner.resume_after_main()  # later drafter steps see this boundary's buffer and weights
         if self._warm_started and (self.rl_steps == 1 or self.rl_steps % self.config.eval_every_n_steps == 0):
-            learner.evaluate(self.published, self._heldout_plans())
+            learner.evaluate(self.published, self.heldout_plans())
             self._last_eval_step = self.rl_steps
         self._log(pl_module, engine, heldout, published, stats)
 
@@ -495,34 +463,23 @@ class DrafterCoTrainCallback(Callback):
         )
 
     def _agree(
-        self, trainer: pl.Trainer, measured: float, heldout: tuple[float, float] | None, changed: bool = False
-    ) -> tuple[float, tuple[float, float] | None, bool]:
-        """What every rank decides on: the rank-means of the engine's measured acceptance length and
-        of the held-out rates, and whether the drafter changed on any rank (one reduce)."""
-        if trainer.world_size == 1:
-            return measured, heldout, changed
+        self, trainer: pl.Trainer, measured: float, heldout: Heldout | None, changed: bool = False
+    ) -> tuple[float, Heldout | None, bool]:
+        """What every rank decides on (`lightning_tlt.drafters.publishing.agree_across_ranks`: one reduce)."""
         assert self.drafter is not None
-        local = torch.tensor([measured, *(heldout or (0.0, 0.0)), float(heldout is not None), float(changed)],
-                             dtype=torch.float64, device=self.drafter.fc.weight.device)  # fmt: skip
-        total = trainer.strategy.reduce(local, reduce_op="sum").tolist()
-        world = float(trainer.world_size)
-        rates = None if total[3] == 0 else (total[1] / total[3], total[2] / total[3])
-        return total[0] / world, rates, total[4] > 0
+        return agree_across_ranks(measured, heldout, changed, world_size=trainer.world_size,
+                                  reduce_sum=lambda t: trainer.strategy.reduce(t, reduce_op="sum"),
+                                  device=self.drafter.fc.weight.device)  # fmt: skip
 
     def _maybe_publish(self, engine: DrafterHost, measured: float, changed: bool) -> bool:
         assert self.drafter is not None
         cfg = self.config
         if not self._warm_started or self.rl_steps % cfg.publish_every_n_steps or not changed:
             return False
-        if self._model_free(engine):
-            if self._heldout is None:
-                return False
-            expected = expected_acceptance_length(min(1.0, max(0.0, self._heldout[0])), cfg.eval_draft_tokens)
-            if not expected > measured + cast(float, cfg.handoff_margin):
-                return False
-        if cfg.publish_if_improves and self.published is not None:
-            if self._heldout is None or not self._heldout[0] > self._heldout[1]:
-                return False
+        if not publish_due(self._heldout, measured, model_free=self._model_free(engine),
+                           has_published=self.published is not None, handoff_margin=cfg.handoff_margin,
+                           draft_tokens=cfg.eval_draft_tokens, publish_if_improves=cfg.publish_if_improves):
+            return False
         self._publish(engine, self.drafter)
         return True
 
@@ -534,26 +491,16 @@ class DrafterCoTrainCallback(Callback):
         self._published_updates = self.learner.applied_updates
 
     def _log(
-        self, pl_module: pl.LightningModule, engine: DrafterHost, heldout: tuple[float, float] | None, published: bool,
+        self, pl_module: pl.LightningModule, engine: DrafterHost, heldout: Heldout | None, published: bool,
         stats: dict[str, float],
     ) -> None:
         assert self.learner is not None
-        w = self._window
-        paced = self.pacer.take_window()
         metrics: dict[str, float] = {
             "drafter/steps": float(self.learner.steps_enqueued),
             "drafter/steps_this_rl_step": stats["applied"] + stats["skipped"],
             "drafter/skipped_nonfinite": stats["skipped_total"],
             "drafter/train_time_s": stats["train_time_s"],
-            "drafter/stall_events": float(w.stall_events),
-            "drafter/stall_time_available_s": w.stall_time_s,
-            # over this RL step's measured stall steps, as measured (the controller caps outliers)
-            "drafter/decode_slowdown": paced["slowdown"],
-            "drafter/loaded_stall_share": paced["loaded_share"],
-            "drafter/loaded_step_slowdown": paced["loaded_slowdown"],
-            "drafter/steps_per_event": self.pacer.rate if self.config.max_decode_slowdown is not None
-            else float(self.config.max_steps_per_event),
-            "drafter/wait_steps": float(w.wait_steps),
+            **self.stalls.take_metrics(),
             "drafter/version": float(self.version),
             "drafter/publications": float(self.publications),
             "drafter/published": float(published),
@@ -573,7 +520,6 @@ class DrafterCoTrainCallback(Callback):
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
         self.last_metrics = metrics
-        self._window = _Window()
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -648,11 +594,3 @@ class DrafterCoTrainCallback(Callback):
             f"DrafterCoTrainCallback: resumed drafter version {self.version} after {self.learner.steps_enqueued} steps"
         )
 
-
-@dataclass
-class _Window:
-    """Figures accumulated between two RL step boundaries (then logged and reset)."""
-
-    stall_events: int = 0
-    stall_time_s: float = 0.0
-    wait_steps: int = 0

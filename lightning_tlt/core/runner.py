@@ -381,6 +381,12 @@ class ModelRunner:
                 fused.sync()
 
     @property
+    def fused(self) -> tuple[FusedProjections, ...] | None:
+        """The fused weight copies, one per layer (``None`` before `sync_fused` built them, or without
+        ``fuse_projections``)."""
+        return None if self._fused is None else tuple(self._fused)
+
+    @property
     def fused_bytes(self) -> int:
         """Bytes of the fused weight copies (0 without ``fuse_projections``)."""
         return sum(f.nbytes for f in self._fused or [])

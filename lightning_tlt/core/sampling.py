@@ -97,6 +97,13 @@ def exponential_noise(
     return noise.clamp_min_(_TINY)
 
 
+def call_seed(generator: torch.Generator | None) -> int:
+    """A ``generate`` call's seed: one draw from ``generator`` (advancing it), or from torch's default one;
+    with `row_keys`, it names the noise of every row of the call."""
+    source = "cpu" if generator is None else generator.device
+    return int(torch.randint(0, 2**62, (1,), generator=generator, device=source).item())
+
+
 def row_keys(seed: int, prompts: Sequence[Sequence[int]], num_samples: int = 1) -> list[int]:
     """The noise key of every row of a ``generate`` call (prompt-major: all samples of prompt 0 first).
 

@@ -324,6 +324,10 @@ class RolloutDataModule(pl.LightningDataModule):
 
         return encode_prompt(self.tokenizer, prompt)
 
+    def prompt_ids(self, split: Literal["train", "eval"] = "train") -> list[list[int]]:
+        """The token ids of every prompt of ``split``, by dataset row (after `setup` or `prepare`)."""
+        return [list(p) for p in (self._train_prompt_ids if split == "train" else self._eval_prompt_ids)]
+
     # ------------------------------------------------------------------ engine
     @property
     def policy(self) -> torch.nn.Module:

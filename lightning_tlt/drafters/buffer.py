@@ -36,7 +36,9 @@ PLAN_FIELDS = 3
 
 
 @dataclass
-class _Seq:
+class StoredSequence:
+    """Where one sequence lies in the ring, and what it is (host metadata, one per stored sequence)."""
+
     offset: int  # first ring slot
     length: int  # tokens stored
     position: int  # position of the first stored token
@@ -78,8 +80,8 @@ class FeatureReplayBuffer:
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else None
         self._generator = generator if generator is not None else torch.Generator().manual_seed(seed)
-        self._seqs: deque[_Seq] = deque()
-        self._train: list[_Seq] | None = None  # cached training sequences (rebuilt after add)
+        self._seqs: deque[StoredSequence] = deque()
+        self._train: list[StoredSequence] | None = None  # cached training sequences (rebuilt after add)
         self._head = 0  # next free ring slot
         self._added = 0
         self.features: Tensor | None = None  # (C, F) ring, the policy's dtype
@@ -120,7 +122,8 @@ class FeatureReplayBuffer:
     # ------------------------------------------------------------------ filling
     @torch.no_grad()
     def add(
-        self, features: Tensor, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor, step: int
+        self, features: Tensor, input_ids: Tensor, attention_mask: Tensor, completion_mask: Tensor, step: int,
+        *, heldout: bool | None = None,
     ) -> int:
         """Add a batch of sequences (padding anywhere; real tokens must be contiguous per row).
 
@@ -130,6 +133,9 @@ class FeatureReplayBuffer:
             attention_mask: ``(N, T)`` 1 on real tokens (e.g. left-padded prompt + right-padded completion).
             completion_mask: ``(N, T)`` 1 on completion tokens.
             step: the RL step the rollouts belong to.
+            heldout: hold every added sequence out (``True``) or none (``False``); ``None`` draws each with
+                probability ``heldout_fraction``. The draw is made either way, so the buffer's later draws
+                do not depend on it.
 
         Returns:
             Sequences added (rows with fewer than 2 real tokens or no completion token after the
@@ -158,7 +164,7 @@ class FeatureReplayBuffer:
         first = torch.where(target, cols[None], big).amin(1) - start
         last = torch.where(target, cols[None], -big).amax(1) - start
         meta = torch.stack([start, real.sum(1), first, last, target.any(1).long()], 1).tolist()  # one host read
-        placed: list[tuple[_Seq, int, int]] = []  # (sequence, source row, its first column)
+        placed: list[tuple[StoredSequence, int, int]] = []  # (sequence, source row, its first column)
         for i, (row_start, length, first_t, last_t, any_target) in enumerate(meta):
             if length < 2 or not any_target:
                 continue
@@ -166,8 +172,9 @@ class FeatureReplayBuffer:
             if first_t >= length:  # its completion lies beyond the stored prefix
                 continue
             offset = self._place(length)
-            heldout = bool(torch.rand((), generator=self._generator) < self.heldout_fraction)
-            seq = _Seq(offset, length, 0, first_t, min(last_t, length - 1), int(step), heldout)
+            drawn = bool(torch.rand((), generator=self._generator) < self.heldout_fraction)
+            held = drawn if heldout is None else heldout
+            seq = StoredSequence(offset, length, 0, first_t, min(last_t, length - 1), int(step), held)
             self._seqs.append(seq)
             placed.append((seq, i, row_start))
         # a harvest larger than the ring laps it: write only the sequences still held, so every slot is
@@ -194,6 +201,11 @@ class FeatureReplayBuffer:
         return len(self._seqs)
 
     @property
+    def sequences(self) -> tuple[StoredSequence, ...]:
+        """The stored sequences, oldest first: where each lies in the ring, its RL step, whether it is held out."""
+        return tuple(self._seqs)
+
+    @property
     def num_train(self) -> int:
         return len(self._train_seqs())
 
@@ -211,7 +223,7 @@ class FeatureReplayBuffer:
         self._train = None
         self._head = 0
 
-    def _train_seqs(self) -> list[_Seq]:
+    def _train_seqs(self) -> list[StoredSequence]:
         if self._train is None:
             self._train = [s for s in self._seqs if not s.heldout]
         return self._train
@@ -369,7 +381,7 @@ class FeatureReplayBuffer:
         self._added = int(state_dict["added"])
         self.clear()
         self._head = int(state_dict["head"])
-        seqs = [_Seq(row[0], row[1], row[2], row[3], row[4], row[5], bool(row[6]))
+        seqs = [StoredSequence(row[0], row[1], row[2], row[3], row[4], row[5], bool(row[6]))
                 for row in state_dict["sequences"].tolist()]  # fmt: skip
         if not seqs:
             return

@@ -105,6 +105,11 @@ class StallPacer:
             self.rate = self.max_slowdown / self.step_cost
         self.rate = min(self.rate, float(self.max_per_event))
 
+    @property
+    def loaded(self) -> bool:
+        """Whether drafter work may overlap the step the next event reports (its time is then a loaded one)."""
+        return self._loaded
+
     @staticmethod
     def bucket(phase: str, active_rows: int, draft_tokens: int = 0) -> tuple[str, int, int]:
         """Steps comparable in cost: same phase and draft length, active rows rounded up to a power of two."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -61,7 +62,7 @@ class _Tail(Sequence[int]):
         return self.seq[self.start + i]
 
 
-class _SeqIndex:
+class SequenceIndex:
     """One token sequence and its n-gram -> end positions index (appends are incremental)."""
 
     __slots__ = ("n", "tokens", "ends")
@@ -96,10 +97,12 @@ class _SeqIndex:
 
 
 @dataclass
-class _Group:
-    prompt: _SeqIndex | None = None
-    rows: dict[Hashable, _SeqIndex] = field(default_factory=dict)
-    finished: deque[_SeqIndex] = field(default_factory=deque)
+class PromptGroup:
+    """What the drafter remembers of one prompt group: its prompt, its rows in flight, its finished rollouts."""
+
+    prompt: SequenceIndex | None = None
+    rows: dict[Hashable, SequenceIndex] = field(default_factory=dict)
+    finished: deque[SequenceIndex] = field(default_factory=deque)
 
 
 class SuffixDrafter(DrafterBase):
@@ -144,13 +147,13 @@ class SuffixDrafter(DrafterBase):
         self.max_recent = max_recent
         self.max_candidates = max_candidates
         self.max_groups = max_groups
-        self._groups: OrderedDict[Hashable, _Group] = OrderedDict()
+        self._groups: OrderedDict[Hashable, PromptGroup] = OrderedDict()
 
     # ----------------------------------------------------------------- registration
-    def _group(self, group: Hashable) -> _Group:
+    def _group(self, group: Hashable) -> PromptGroup:
         entry = self._groups.get(group)
         if entry is None:
-            entry = self._groups[group] = _Group(finished=deque(maxlen=self.max_recent))
+            entry = self._groups[group] = PromptGroup(finished=deque(maxlen=self.max_recent))
             while len(self._groups) > self.max_groups:
                 self._groups.popitem(last=False)
         else:
@@ -161,7 +164,7 @@ class SuffixDrafter(DrafterBase):
         """Register (or replace) the prompt shared by a group's rows."""
         entry = self._group(group)
         if entry.prompt is None:
-            entry.prompt = _SeqIndex(self.min_match, prompt)
+            entry.prompt = SequenceIndex(self.min_match, prompt)
         else:
             entry.prompt.sync(prompt)
 
@@ -174,14 +177,14 @@ class SuffixDrafter(DrafterBase):
         entry = self._group(group)
         index = entry.rows.get(row_id)
         if index is None:
-            entry.rows[row_id] = _SeqIndex(self.min_match, tokens)
+            entry.rows[row_id] = SequenceIndex(self.min_match, tokens)
         else:
             index.sync(tokens)
 
     def add_finished(self, group: Hashable, tokens: Sequence[int]) -> None:
         """Remember a finished rollout (completion tokens) of the group; keeps the ``max_recent`` newest."""
         if self.max_recent:
-            self._group(group).finished.append(_SeqIndex(self.min_match, tokens))
+            self._group(group).finished.append(SequenceIndex(self.min_match, tokens))
 
     def finish_row(self, group: Hashable, row_id: Hashable) -> None:
         """Move a registered row to the group's finished rollouts (its index is reused, not rebuilt)."""
@@ -196,9 +199,14 @@ class SuffixDrafter(DrafterBase):
         """Forget every group."""
         self._groups.clear()
 
+    @property
+    def groups(self) -> Mapping[Hashable, PromptGroup]:
+        """The remembered prompt groups, least recently used first (a read-only view)."""
+        return MappingProxyType(self._groups)
+
     # ----------------------------------------------------------------- lookup
     def _best_in(
-        self, index: _SeqIndex, context: Sequence[int], k: int, source: int, best: tuple[int, ...] | None
+        self, index: SequenceIndex, context: Sequence[int], k: int, source: int, best: tuple[int, ...] | None
     ) -> tuple[tuple[int, ...] | None, list[int]]:
         """Best match of ``context``'s suffix in ``index``: (key, continuation), or (best, [])."""
         n = self.min_match
@@ -252,12 +260,12 @@ class SuffixDrafter(DrafterBase):
         if k == 0 or len(context) < self.min_match:
             return []
         if group is None:
-            _, found = self._best_in(_SeqIndex(self.min_match, context), context, k, _OWN, None)
+            _, found = self._best_in(SequenceIndex(self.min_match, context), context, k, _OWN, None)
             return found
         entry = self._group(group)
         start = prompt_len or 0
         if prompt_len is not None and entry.prompt is None:
-            entry.prompt = _SeqIndex(self.min_match, context[:prompt_len])
+            entry.prompt = SequenceIndex(self.min_match, context[:prompt_len])
         if row_id is not None:
             self.update_group(group, row_id, _Tail(context, start))
         best: tuple[int, ...] | None = None

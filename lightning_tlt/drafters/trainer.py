@@ -47,6 +47,7 @@ from torch import Tensor
 from lightning_tlt.drafters.buffer import FeatureReplayBuffer
 from lightning_tlt.drafters.eagle import EagleBatch, EagleDrafter
 from lightning_tlt.drafters.loss import DrafterLossOutput, eagle_loss
+from lightning_tlt.drafters.side_streams import GREEN_CONTEXTS
 
 Execution = Literal["auto", "graph", "stream", "eager", "deferred"]
 _EXECUTIONS = ("auto", "graph", "stream", "eager", "deferred")
@@ -113,10 +114,6 @@ class DrafterTrainConfig:
             raise ValueError(f"side_stream_sms must be >= 1 or None (every SM), got {self.side_stream_sms!r}")
 
 
-_GREEN_CONTEXTS: dict[tuple[int, int], Any] = {}
-"""The green contexts of side streams by (device index, SMs), alive for the process."""
-
-
 class DrafterTrainer:
     """Trains an `EagleDrafter` on a `FeatureReplayBuffer`, one static-shape step at a time.
 
@@ -175,9 +172,9 @@ class DrafterTrainer:
         self._plan[..., 1:] = 0
         self._vocab: Tensor | None = None  # (Vd,) head rows the loss compares (`set_vocabulary`), None: all
         self._graph: Any = None
-        self._captured_at: tuple[int, ...] = ()  # `_addresses()` at the capture
-        self._green: Any = None  # the green context the side stream belongs to (kept alive with it)
-        self._stream: Any = self._side_stream(dev) if execution in ("graph", "stream") else None
+        self._captured_at: tuple[int, ...] = ()  # `input_addresses()` at the capture
+        in_stream = execution in ("graph", "stream")
+        self._stream: Any = GREEN_CONTEXTS.stream(dev, config.side_stream_sms) if in_stream else None
         slots = config.max_queued if self._stream is not None else 0
         self._pinned = [torch.empty_like(self._plan, device="cpu").pin_memory() for _ in range(slots)]
         self._slot_done: list[Any] = [None] * slots
@@ -191,27 +188,21 @@ class DrafterTrainer:
         """Time the finished steps took: GPU time from CUDA events, else host time."""
         self._window_time_s = 0.0  # the same since the last take_stats
 
-    def _side_stream(self, dev: torch.device) -> Any:
-        """A new stream on ``dev``: of a green context of ``config.side_stream_sms`` SMs, if set."""
-        sms = self.config.side_stream_sms
-        if sms is None:
-            return torch.cuda.Stream(device=dev)
-        from torch.cuda import green_contexts
+    @property
+    def side_stream(self) -> Any:
+        """The CUDA stream the steps run on (``None``: the current stream, "eager" or "deferred" execution)."""
+        return self._stream
 
-        total = torch.cuda.get_device_properties(dev).multi_processor_count
-        if sms > total:
-            raise ValueError(f"side_stream_sms must be at most the device's {total} SMs, got {sms}")
-        if not getattr(green_contexts, "SUPPORTED", False):
-            raise RuntimeError(f"side_stream_sms={sms} needs CUDA green contexts, which this torch "
-                               f"({torch.__version__}) was not built with; leave it None")  # fmt: skip
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        key = (index, sms)
-        if key not in _GREEN_CONTEXTS:  # one per (device, SMs), never destroyed: memory the caching
-            # allocator keeps for its streams outlives any trainer (freeing it into a destroyed
-            # context aborts the process, seen on the H200)
-            _GREEN_CONTEXTS[key] = green_contexts.GreenContext.create(num_sms=sms, device_id=index)
-        self._green = _GREEN_CONTEXTS[key]
-        return self._green.Stream()
+    @property
+    def plan(self) -> Tensor:
+        """The ``(batch_size, pack_segments, 3)`` plan of the batch `step` trains on (`FeatureReplayBuffer.plan`):
+        a static input, refilled in place before each step."""
+        return self._plan
+
+    @property
+    def trained_parameters(self) -> tuple[Tensor, ...]:
+        """The drafter's parameters the optimizer updates (in place: their storage never moves)."""
+        return tuple(self._params)
 
     # ------------------------------------------------------------------ the step
     def loss(self, drafter: EagleDrafter, batch: EagleBatch) -> DrafterLossOutput:
@@ -270,8 +261,10 @@ class DrafterTrainer:
         self.wait()
         self._vocab, self._graph = ids.clone(), None
 
-    def _step(self) -> None:
-        """One drafter update on the batch planned in ``self._plan``; no host sync (capturable)."""
+    def step(self) -> None:
+        """One drafter update on the batch planned in `plan`, on the current stream, with no host sync: the body
+        a CUDA graph captures. `enqueue` is how steps are trained: it plans each batch, runs or replays this
+        step where it belongs and times it."""
         cfg = self.config
         batch = self.buffer.gather(self._plan, cfg.max_len)
         self.optimizer.zero_grad(set_to_none=True)  # under capture: the captured backward owns the grads
@@ -316,7 +309,7 @@ class DrafterTrainer:
         if self.execution != "graph":
             return
         if self._graph is not None:
-            addresses = self._addresses()
+            addresses = self.input_addresses()
             if addresses == self._captured_at:
                 return
             # a graph replays fixed addresses: the policy's shared embedding or head (a reloaded or
@@ -333,13 +326,13 @@ class DrafterTrainer:
             self._plan[..., 0] = -1  # warm up on an empty plan: no draw from the buffer's generator
             self._hold.fill_(1.0)
             for _ in range(_WARMUP_ITERATIONS):
-                self._step()
+                self.step()
         main.wait_stream(self._stream)
         graph: torch.cuda.CUDAGraph | None = torch.cuda.CUDAGraph()
         try:
             assert graph is not None
             with torch.enable_grad(), torch.cuda.graph(graph, stream=self._stream):
-                self._step()
+                self.step()
         except RuntimeError as err:  # e.g. parameters that move (sharded policies): run eagerly on the stream
             warnings.warn(f"capturing the drafter step failed ({err}); running it eagerly on a side stream", stacklevel=2)
             self.execution = "stream"
@@ -348,9 +341,9 @@ class DrafterTrainer:
             self._hold.fill_(0.0)
             self._plan.copy_(saved)
         self._graph = graph
-        self._captured_at = self._addresses()
+        self._captured_at = self.input_addresses()
 
-    def _addresses(self) -> tuple[int, ...]:
+    def input_addresses(self) -> tuple[int, ...]:
         """Where the tensors the captured step reads live (the drafter's, the shared embedding and
         head, the buffer's ring)."""
         drafter, buffer = self.drafter, self.buffer
@@ -400,7 +393,7 @@ class DrafterTrainer:
         start = time.perf_counter()
         self._plan.copy_(plan)
         with torch.enable_grad():
-            self._step()
+            self.step()
         self._add_time(time.perf_counter() - start)
 
     def _add_time(self, seconds: float) -> None:
@@ -416,7 +409,7 @@ class DrafterTrainer:
                 self._graph.replay()
             else:
                 with torch.enable_grad():
-                    self._step()
+                    self.step()
             end.record()
         self._slot_done[slot] = end
         self._timings.append((start, end))
@@ -575,7 +568,6 @@ class DrafterTrainer:
         self.steps_enqueued = int(state["steps_enqueued"])
         self.set_vocabulary(state.get("vocabulary"))  # absent from checkpoints before it existed: every row
         self._graph = None  # the optimizer's state tensors are new: capture again
-
 
 
 def _to_cpu(obj: Any) -> Any:

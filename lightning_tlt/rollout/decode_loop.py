@@ -91,7 +91,7 @@ class DecodeLoop(StepRunner):
     def _generate_native(
         self, requests: list[Request], sampling: SamplingConfig, stop_ids: list[int], gen: torch.Generator, run: CallState
     ) -> None:
-        self._ensure_buffers()
+        self.allocate_buffers()
         self._check_params()
         st, graphs = self._state, self._graphs
         assert st is not None and graphs is not None
@@ -172,7 +172,7 @@ class DecodeLoop(StepRunner):
         kv_len = self._kv_len(run, active, k + 1)
         timing = self._tuner.start(k, n) if self._tuner is not None else None
         captures = self._captures
-        self._spec_step.run(self._context(), active, batch, k, key, self._drafter, self._drafter_handle, kv_len)
+        self._spec_step.run(self.step_context(), active, batch, k, key, self._drafter, self._drafter_handle, kv_len)
         if timing is not None and self._tuner is not None:
             self._tuner.stop(timing, st.spec.emitted[:n], captured=self._captures != captures)
         self._speculative_steps += 1
@@ -191,10 +191,10 @@ class DecodeLoop(StepRunner):
         batch = graphs.bucket(n)
         kv_len = self._kv_len(run, active, k + 1)
         if self._staged is not None and not self._staged_compiled and self._compiled:
-            self._compile_staged(batch, key, kv_len)
+            self.compile_staged_drafter(batch, key, kv_len)
         timing = self._tuner.start(k, n) if self._tuner is not None else None
         t0, captures = time.perf_counter(), self._captures
-        new_tokens = self._spec_step.run(self._context(), active, batch, k, key, self._drafter,
+        new_tokens = self._spec_step.run(self.step_context(), active, batch, k, key, self._drafter,
                                          self._drafter_handle, kv_len)
         assert new_tokens is not None
         emitted = sum(len(t) for t in new_tokens)
@@ -208,12 +208,14 @@ class DecodeLoop(StepRunner):
         self._account(run, "speculative", emitted, dt, k)
         run.last = time.perf_counter()
 
-    def _compile_staged(self, batch: int, sampling: SamplingKey, kv_len: int | None) -> None:
-        """Compile the staged EAGLE drafter's step functions now, at the first speculative step of the
-        model-free drafter it will take over from: its hand-over (a later RL step, once the drafter is
-        published) then captures graphs only, and no compile lands in the steady steps. An EAGLE step of
-        one draft token, one of two and one of the longest length (the versions every draft length needs)
-        run on the live state and are undone, as a capture's warm-up runs are; nothing is captured."""
+    def compile_staged_drafter(self, batch: int, sampling: SamplingKey, kv_len: int | None) -> None:
+        """Compile the staged EAGLE drafter's step functions now (`stage_drafter`; compiled engines only).
+
+        The engine calls it at the first speculative step of the model-free drafter the staged one will
+        take over from: its hand-over (a later RL step, once the drafter is published) then captures
+        graphs only, and no compile lands in the steady steps. An EAGLE step of one draft token, one of
+        two and one of the longest length (the versions every draft length needs) over ``batch`` rows run on
+        the live state and are undone, as a capture's warm-up runs are; nothing is captured."""
         assert self._staged is not None and self._state is not None and self._spec_step is not None
         self._staged_compiled = True  # once, whatever happens below
         drafter = self._staged[0]
@@ -227,7 +229,7 @@ class DecodeLoop(StepRunner):
             reset = self._state.snapshot()
             try:
                 with self._compiling():
-                    self._spec_step.compile_ahead(self._context(), batch, length, sampling, drafter, kv_len)
+                    self._spec_step.compile_ahead(self.step_context(), batch, length, sampling, drafter, kv_len)
             except Exception as err:  # the hand-over compiles (or falls back) as it would have without this
                 warnings.warn(f"compiling the staged drafter's step ahead failed ({err!r}); it compiles at its "
                               "hand-over instead", stacklevel=2)

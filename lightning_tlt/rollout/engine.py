@@ -37,7 +37,7 @@ import torch
 
 from lightning_tlt.core.prompts import check_stop_ids, policy_positions, validate_prompts
 from lightning_tlt.core.runner import eos_token_ids
-from lightning_tlt.core.sampling import row_keys
+from lightning_tlt.core.sampling import call_seed, row_keys
 from lightning_tlt.core.types import (
     RolloutOutput,
     SamplingConfig,
@@ -131,7 +131,7 @@ class RolloutEngine(DecodeLoop):
         check_stop_ids(sampling.stop_token_ids or [], self.vocab_size)  # the caller's; the model's are its own
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids are supported, got {stop_ids!r}")
-        seed = self._seed(generator)
+        seed = call_seed(generator)
         gen = self._generator(seed)
         keys = row_keys(seed, ids, num_samples)
         requests = [

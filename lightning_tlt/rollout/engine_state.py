@@ -120,7 +120,7 @@ class EngineState:
         self._drafter_handle = 0  # a new one whenever the drafter object is replaced (graph keys)
         self._handles = 0  # handles handed out so far
         self._staged: tuple[EagleDrafter, int] | None = None  # `stage_drafter`'s drafter and its handle
-        self._staged_compiled = False  # its step functions compiled ahead of its hand-over (`_compile_staged`)
+        self._staged_compiled = False  # its functions compiled ahead of its hand-over (`compile_staged_drafter`)
         self.drafter_version = 0
         """Version of the published drafter weights (`set_drafter` advances it)."""
         self.max_draft_tokens = spec.num_draft_tokens or max(spec.draft_candidates)
@@ -263,6 +263,11 @@ class EngineState:
         return self._compiled
 
     @property
+    def kv_cache(self) -> KVCache | None:
+        """The policy's KV cache of the current buffers (``None`` before the first native ``generate``)."""
+        return self._cache
+
+    @property
     def runner(self) -> ModelRunner | None:
         """The functional runner the engine decodes with (``None``: the HF fallback)."""
         return self._runner
@@ -278,12 +283,6 @@ class EngineState:
     def _emit(self, event: StepEvent) -> None:
         for fn in list(self._listeners):
             fn(event)
-
-    @staticmethod
-    def _seed(generator: torch.Generator | None) -> int:
-        """The call's seed: one draw from ``generator`` (advancing it), or from torch's default one."""
-        source = "cpu" if generator is None else generator.device
-        return int(torch.randint(0, 2**62, (1,), generator=generator, device=source).item())
 
     def _generator(self, seed: int) -> torch.Generator:
         """The engine's device generator, seeded with ``seed``: what host drafters' ``draft`` draws from

@@ -267,7 +267,7 @@ class SpeculativeStep:
             # one graph per last k (167 captures and 50 s in one RL step of the 0.5 B e2e run on the H200)
             width = self.max_k + 1
             profile = eagle_profile(batch, k, sampling, drafter_handle, kv_len)
-            ctx.run(profile, lambda: self._eagle_step(ctx, batch, k, width, sampling, drafter, kv_len))
+            ctx.run(profile, lambda: self.eagle_step(ctx, batch, k, width, sampling, drafter, kv_len))
             self._k_prev = k
             return None
         with_probs = self._draft_host(ctx, active, k, sampling, drafter)
@@ -288,7 +288,7 @@ class SpeculativeStep:
         st.ensure_drafter_cache(drafter.num_kv_heads, drafter.head_dim, ctx.cache.max_seq_len,
                                 drafter.fc.weight.dtype)
         st.spec.cu_fresh.zero_()  # every row takes the one-true-row path: no stale block is read
-        self._eagle_step(ctx, batch, k, self.max_k + 1, sampling, drafter, kv_len)
+        self.eagle_step(ctx, batch, k, self.max_k + 1, sampling, drafter, kv_len)
 
     def _check_features(self, st: SlotState, drafter: EagleDrafter) -> None:
         width = st.hidden.shape[1]
@@ -300,7 +300,7 @@ class SpeculativeStep:
             )
 
     # ------------------------------------------------------------------ EAGLE (device) drafting
-    def _eagle_step(
+    def eagle_step(
         self, ctx: StepContext, batch: int, k: int, width: int, sampling: SamplingKey, drafter: EagleDrafter,
         kv_len: int | None,
     ) -> None:

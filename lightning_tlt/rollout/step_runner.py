@@ -45,7 +45,10 @@ from lightning_tlt.rollout.steps import (
 class StepRunner(DrafterHosting):
     """Buffers, forward and steps of the engine (see the module's docstring)."""
 
-    def _ensure_buffers(self) -> None:
+    def allocate_buffers(self) -> None:
+        """Allocate the buffers of the current layout now, if not yet: the KV cache, `slot_state`, the graph
+        cache and the speculative step (the first native ``generate`` does it; a new layout, e.g. after a
+        drafter reading other layers, allocates anew)."""
         assert self._runner is not None
         spec = self._runner.spec
         device, dtype = self.device, self.dtype
@@ -110,7 +113,7 @@ class StepRunner(DrafterHosting):
 
         The new graph cache has the engine's batch buckets, slots and graph memory budget; it is returned.
         """
-        self._ensure_buffers()
+        self.allocate_buffers()
         assert self._graphs is not None
         self._graphs = CUDAGraphProfileCache(backend, buckets=self._graphs.buckets, max_batch=self.num_slots,
                                              memory_budget_bytes=self._graph_memory_budget)
@@ -148,7 +151,9 @@ class StepRunner(DrafterHosting):
             return out.logits, out.hidden
         return out.logits, torch.cat([out.layer_hidden[i] for i in capture], dim=-1)
 
-    def _context(self) -> StepContext:
+    def step_context(self) -> StepContext:
+        """What a step runs in: the buffers, the forward, the graph cache and the graph-replaying step runner
+        (the `SpeculativeStep`'s argument; after `allocate_buffers`)."""
         assert self._state is not None and self._cache is not None and self._graphs is not None
         assert self._forward is not None and self._gen is not None
         # the forward is looked up at each call: a compiler failure swaps in the uncompiled one mid-step
@@ -280,7 +285,8 @@ class StepRunner(DrafterHosting):
             if drafter is not None and self._spec_step is not None:
                 dcache = st.ensure_drafter_cache(drafter.num_kv_heads, drafter.head_dim, cache.max_seq_len,
                                                  drafter.fc.weight.dtype)
-                dscratch = self._spec_step.prefill_drafter(self._context(), drafter, hidden, tokens[:, 1:], last + 1)
+                dscratch = self._spec_step.prefill_drafter(self.step_context(), drafter, hidden, tokens[:, 1:],
+                                                           last + 1)  # fmt: skip
                 dcache.write_prefix(dst_t, dscratch.k, dscratch.v, src_t)
         slots = [s for s, _ in admitted]
         slot_ids = torch.tensor(slots, device=device)

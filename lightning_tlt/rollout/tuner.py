@@ -181,6 +181,15 @@ class DraftLengthTuner:
         rewards = self._rewards.get((bucket, k))
         return median(rewards) if rewards else None
 
+    def rewards(self) -> dict[tuple[int, int], list[float]]:
+        """Measured tokens/s of each ``(bucket, k)`` arm, oldest first, as read so far (a copy; timings
+        still in flight on the device are not in it)."""
+        return {key: list(values) for key, values in self._rewards.items()}
+
+    def accepted(self) -> dict[tuple[int, int], list[float]]:
+        """Drafts accepted per row and step of each ``(bucket, k)`` drafting arm, oldest first (a copy)."""
+        return {key: list(values) for key, values in self._accepted.items()}
+
     def best(self, active_rows: int) -> int:
         """The exploitation choice: the best measured arm, or the static table before any."""
         bucket = self.bucket(active_rows)
@@ -354,8 +363,8 @@ class DraftLengthTuner:
         return {
             "candidates": self.candidates,
             "buckets": self.buckets,
-            "rewards": {key: list(values) for key, values in self._rewards.items()},
-            "accepted": {key: list(values) for key, values in self._accepted.items()},
+            "rewards": self.rewards(),
+            "accepted": self.accepted(),
             "counts": dict(self._counts),
             "started": dict(self._started),
             "generator": self._generator.get_state(),

@@ -133,6 +133,9 @@ class VLLMRolloutEngine:
             extension class (a subclass of `TLTWorkerExtension`).
     """
 
+    _drafter: nn.Module | None = None  # the frozen copy `set_drafter` pushes (none before the first)
+    _drafter_version = 0  # `drafter_version`: 0 before any publication
+
     def __init__(
         self,
         model_or_path: nn.Module | str | os.PathLike[str],
@@ -178,9 +181,11 @@ class VLLMRolloutEngine:
             gen_config = GenerationConfig.from_pretrained(path)
         except OSError:  # no generation_config.json
             gen_config = None
-        self._eos_ids = model_eos_ids(config, gen_config)
+        self.eos_ids = model_eos_ids(config, gen_config)
+        """The model's end-of-sequence ids: the stop ids of a call whose sampling names none."""
         self.vocab_size = int(config.vocab_size)
-        self._positions = policy_positions(config)
+        self.positions = policy_positions(config)
+        """The policy's position limit, checked against every prompt and its completion budget."""
         self.model_path = str(path)
         from vllm.platforms import current_platform
 
@@ -213,8 +218,6 @@ class VLLMRolloutEngine:
         self._sampling_params_cls = vllm.SamplingParams
         self.auto_sync = auto_sync
         self.policy_version = 0
-        self._drafter_version = 0
-        self._drafter: nn.Module | None = None
         self._synced_versions = self._param_versions()
 
     # ------------------------------------------------------------------ the native engine's attributes
@@ -308,21 +311,23 @@ class VLLMRolloutEngine:
         self._listeners.remove(fn)
 
     # ------------------------------------------------------------------ generation
-    def _validate(
+    def validate(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, num_samples: int
     ) -> list[list[int]]:
+        """The checks ``generate`` runs on its arguments before any work, raising as the native engine does
+        (`lightning_tlt.core.prompts`); returns the prompts as lists of token ids."""
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples!r}")
         ids = validate_prompts(
             prompts, self.vocab_size, max_new_tokens=sampling.max_new_tokens, max_seq_len=self.max_seq_len,
-            positions=self._positions,
+            positions=self.positions,
         )
         check_stop_ids(sampling.stop_token_ids or [], self.vocab_size)  # the caller's; the model's are its own
         return [list(p) for p in ids]
 
     def sampling_params(self, sampling: SamplingConfig, num_samples: int, seed: int) -> SamplingParams:
         """The ``vllm.SamplingParams`` of one prompt (see `sampling_params_kwargs`)."""
-        stop = self._eos_ids if sampling.stop_token_ids is None else list(sampling.stop_token_ids)
+        stop = self.eos_ids if sampling.stop_token_ids is None else list(sampling.stop_token_ids)
         return self._sampling_params_cls(**sampling_params_kwargs(sampling, num_samples, seed, stop))
 
     @torch.no_grad()
@@ -349,7 +354,7 @@ class VLLMRolloutEngine:
             engine (vLLM itself reports the temperature-1 log-probability there).
         """
         sampling = sampling or SamplingConfig()
-        ids = self._validate(prompts, sampling, num_samples)
+        ids = self.validate(prompts, sampling, num_samples)
         self._ensure_awake()
         if self.auto_sync and self._policy is not None and self._param_versions() != self._synced_versions:
             self.update_policy_weights(self._policy)
@@ -460,14 +465,15 @@ class VLLMRolloutEngine:
         )
 
     # ------------------------------------------------------------------ weights
-    def _in_process(self) -> bool:
+    @property
+    def in_process(self) -> bool:
         """Whether vLLM's workers live in this process (then tensors are passed, not serialised)."""
         core = type(self.llm.llm_engine.engine_core).__name__
         backend = self.llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend
         return core == "InprocClient" and backend in ("uni", "external_launcher")
 
     def _push(self, weights: list[tuple[str, Tensor]], draft: bool) -> int:
-        payload: bytes | list[tuple[str, Tensor]] = weights if self._in_process() else encode_weights(weights)
+        payload: bytes | list[tuple[str, Tensor]] = weights if self.in_process else encode_weights(weights)
         counts = self.llm.collective_rpc("tlt_load_weights", args=(payload, draft))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
         return int(counts[0])

@@ -176,9 +176,9 @@ def test_the_options_keep_their_flags_and_checks(e2e: ModuleType) -> None:
     # --smoke's sizes, a flag given explicitly winning; the help is each field's attribute docstring
     smoke = e2e.parse_args(["--smoke", "--steps", "3"])
     assert (smoke.size, smoke.steps, smoke.cap) == ("tiny", 3, 32)
-    from e2e.options import _parser
+    from e2e.options import parser
 
-    assert "Most drafter steps queued at one stall event" in _parser().format_help()
+    assert "Most drafter steps queued at one stall event" in parser().format_help()
     # a's verification and deterministic mode: its own settings (they key a's runs, never b's)
     plain, coupled = e2e.parse_args([]), e2e.parse_args(["--verification", "coupled", "--deterministic"])
     assert (plain.verification, plain.deterministic, coupled.verification, coupled.deterministic) == \

@@ -9,9 +9,8 @@ from types import ModuleType
 import pytest
 import torch
 
-from lightning_tlt.core.sampling import NOISE_SAMPLE, keyed_exponential, row_keys
+from lightning_tlt.core.sampling import NOISE_SAMPLE, call_seed, keyed_exponential, row_keys
 from lightning_tlt.core.types import RolloutOutput
-from lightning_tlt.rollout.engine import RolloutEngine
 
 
 def _out(completions: list[list[int]], logprobs: list[list[float]]) -> RolloutOutput:
@@ -37,7 +36,7 @@ def test_divergence_by_hand(benchmark_script: Callable[[str], ModuleType]) -> No
 def test_call_keys_are_the_engines(benchmark_script: Callable[[str], ModuleType]) -> None:
     bench = benchmark_script("reproducible")
     prompts = [[4, 5], [6]]
-    seed = RolloutEngine._seed(torch.Generator().manual_seed(7))
+    seed = call_seed(torch.Generator().manual_seed(7))
     assert bench.call_keys(7, prompts, 2) == row_keys(seed, prompts, 2)
     args = bench.parser().parse_args(["--arms", "off,coupled"])
     assert args.arms == "off,coupled" and args.seed == 7

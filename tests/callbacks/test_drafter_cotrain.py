@@ -71,12 +71,13 @@ def rollouts(policy: torch.nn.Module, prompt: list[int], n: int, length: int, se
 
 @torch.no_grad()
 def fill_buffer(
-    cb: DrafterCoTrainCallback, policy: torch.nn.Module, seqs: torch.Tensor, prompt_len: int
+    cb: DrafterCoTrainCallback, policy: torch.nn.Module, seqs: torch.Tensor, prompt_len: int,
+    heldout: bool | None = None,
 ) -> None:
     hidden = policy(seqs, output_hidden_states=True).hidden_states[-1]
     completion = torch.zeros_like(seqs)
     completion[:, prompt_len:] = 1
-    cb.buffer.add(hidden, seqs, torch.ones_like(seqs), completion, step=0)
+    cb.buffer.add(hidden, seqs, torch.ones_like(seqs), completion, step=0, heldout=heldout)
 
 
 @torch.no_grad()
@@ -226,7 +227,7 @@ def test_stall_steps_adapt_to_the_measured_decode_slowdown() -> None:
         before = cb.learner.steps_enqueued
         cb.on_step_event(StepEvent(i, "decode", 2, 0, 8, step_time * (2 if loaded else 1), new_tokens=2))
         loaded = cb.learner.steps_enqueued > before  # on the CPU a step runs at once, before the next decode step
-    assert cb._window.stall_events == 600
+    assert cb.stalls.window.stall_events == 600
     assert 600 * 0.03 <= cb.learner.steps_enqueued <= 600 * 0.08  # measured: 33 (5.5 %)
     assert cb.pacer.slowdown < 0.2
     # outside stalls nothing is queued
@@ -537,7 +538,7 @@ def test_warm_start_from_the_first_rollouts_beats_a_cold_drafter(tmp_path: Path)
     cold_cb = callback()
     cold_cb.setup_drafter(cold)
     cold_cb.buffer.load_state_dict(cb.buffer.state_dict())  # the same held-out sequences
-    cold_cb.learner.evaluate(None, cold_cb._heldout_plans())
+    cold_cb.learner.evaluate(None, cold_cb.heldout_plans())
     cold_rate = cold_cb.learner.take_evaluation()
     assert cold_rate is not None
     # measured (seeded): held-out acceptance rate 0.07 cold, 0.52 after 40 warm-start steps
@@ -578,11 +579,9 @@ def test_heldout_accept_rate_is_the_same_in_any_batch_shape() -> None:
     for batch_size in (1, 2, 6):
         cb = DrafterCoTrainCallback(DrafterCoTrainConfig(batch_size=batch_size, max_len=16, heldout_fraction=0.0))
         cb.setup_drafter(policy)
-        fill_buffer(cb, policy, seqs, len(PROMPT))
-        for s in cb.buffer._seqs:
-            s.heldout = True
+        fill_buffer(cb, policy, seqs, len(PROMPT), heldout=True)
         assert cb.learner is not None
-        cb.learner.evaluate(None, cb._heldout_plans())
+        cb.learner.evaluate(None, cb.heldout_plans())
         rate = cb.learner.take_evaluation()
         assert rate is not None
         rates.append(rate[0])
@@ -632,7 +631,7 @@ def test_a_checkpoint_of_another_format_is_refused_before_any_state_is_touched()
         cb.load_state_dict(state)
     with pytest.raises(ValueError, match=r"format 2, this version reads format 3"):
         cb.load_state_dict({**state, "format": 2})
-    assert cb._pending_state is None and cb.version == 0
+    assert not cb.resume_pending and cb.version == 0
     buffer = cb.buffer
     with pytest.raises(ValueError, match=r"FeatureReplayBuffer: a state of format None"):
         buffer.load_state_dict({"generator": torch.Generator().get_state(), "added": 40})

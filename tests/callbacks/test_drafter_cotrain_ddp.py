@@ -87,7 +87,7 @@ def main(out_dir: str) -> None:
         return [round(float(v.double().sum()), 6) for v in module.state_dict().values()]
 
     assert cb.buffer.tokens is not None
-    tokens = sum(int(cb.buffer.tokens[s.offset : s.offset + s.length].sum()) for s in cb.buffer._seqs)
+    tokens = sum(int(cb.buffer.tokens[s.offset : s.offset + s.length].sum()) for s in cb.buffer.sequences)
     result = {
         "world_size": trainer.world_size,
         "drafter": checksum(cb.drafter),

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_tlt.core import compile_cache
 from lightning_tlt.core.compile_cache import MAGIC, CompileCache, resolve_cache_dir
 
 ENGINE_RUN = """
@@ -55,9 +54,8 @@ def test_a_second_process_compiles_from_the_runs_own_cache_with_the_same_greedy_
 
 
 def _fresh(tmp_path: Path, key: dict[str, object] | None = None) -> CompileCache:
-    cache = CompileCache(tmp_path, key or {"model": "m"})
-    compile_cache._loaded.discard(cache.path)  # each test loads as a fresh process would
-    return cache
+    # each test's own folder: no file of it was loaded in this process yet, as in a fresh process
+    return CompileCache(tmp_path, key or {"model": "m"})
 
 
 def _write(cache: CompileCache, key: dict[str, object], blobs: list[bytes], sha: list[str] | None = None) -> None:

@@ -352,7 +352,7 @@ def test_a_dataset_too_small_for_the_ranks_is_refused(policy: torch.nn.Module) -
 
 def test_a_context_longer_than_the_policys_positions_is_refused(policy: torch.nn.Module) -> None:
     positions = policy.config.max_position_embeddings  # 4096
-    longest = max(len(p) for p in make(policy, [length_reward])._train_prompt_ids)
+    longest = max(len(p) for p in make(policy, [length_reward]).prompt_ids())
     make(policy, [length_reward], sampling=SamplingConfig(max_new_tokens=positions - longest))  # fits exactly
     too_long = positions - longest + 1
     with pytest.raises(ValueError, match=rf"^the longest prompt \({longest} tokens\) \+ max_completion_length="

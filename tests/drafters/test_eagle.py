@@ -143,8 +143,8 @@ def test_row_t_reads_feature_t_and_token_t_plus_1_only(tiny_llama: torch.nn.Modu
 
 def test_forward_matches_hf_llama_layer_with_identity_input_norm(tiny_qwen2: torch.nn.Module) -> None:
     drafter = _drafter(tiny_qwen2)
-    config = LlamaConfig(**{k: v for k, v in drafter.config.to_dict().items() if k != "architectures"})
-    config._attn_implementation = "eager"
+    config = LlamaConfig(**{k: v for k, v in drafter.config.to_dict().items() if k != "architectures"},
+                         attn_implementation="eager")  # fmt: skip
     hf_layer = LlamaDecoderLayer(config, layer_idx=0)
     hf_layer.input_layernorm = torch.nn.Identity()
     missing, unexpected = hf_layer.load_state_dict(

@@ -107,8 +107,8 @@ def test_ring_evicts_the_oldest_and_keeps_contents() -> None:
         comp = (torch.arange(10) >= 3).long().unsqueeze(0)
         buf.add(ids.float().unsqueeze(-1), ids, torch.ones_like(ids), comp, step=step)
         assert buf.num_tokens <= 24
-    assert [s.step for s in buf._seqs] == [4, 5] and buf.summary()["added"] == 6
-    for seq in buf._seqs:  # each live sequence is intact where its metadata says
+    assert [s.step for s in buf.sequences] == [4, 5] and buf.summary()["added"] == 6
+    for seq in buf.sequences:  # each live sequence is intact where its metadata says
         assert buf.features is not None and buf.tokens is not None
         stored = buf.tokens[seq.offset : seq.offset + seq.length].tolist()
         assert stored == list(range(100 * seq.step, 100 * seq.step + 10))
@@ -131,9 +131,9 @@ def test_one_harvest_larger_than_the_ring_writes_each_slot_once() -> None:
     completion = (torch.arange(20) >= 5).long().expand(10, 20)
     with _UniqueIndexPut():
         added = buf.add(ids.float().unsqueeze(-1), ids, torch.ones_like(ids), completion, step=0)
-    assert added == len(buf._seqs) == 3 and buf.num_tokens <= 64  # only the sequences still held count
+    assert added == len(buf.sequences) == 3 and buf.num_tokens <= 64  # only the sequences still held count
     assert buf.tokens is not None and buf.features is not None
-    for seq in buf._seqs:  # each is its own row's tokens and features, written once
+    for seq in buf.sequences:  # each is its own row's tokens and features, written once
         stored = buf.tokens[seq.offset : seq.offset + seq.length].tolist()
         assert stored == list(range(stored[0], stored[0] + 20)) and stored[0] % 20 == 0
         assert buf.features[seq.offset : seq.offset + seq.length, 0].tolist() == [float(t) for t in stored]
@@ -168,7 +168,7 @@ def test_heldout_plans_cover_every_row_once() -> None:
         ids = torch.randint(1, 100, (2, 30), generator=gen)
         comp = (torch.arange(30) >= 5).long().expand(2, 30)
         buf.add(ids.float().unsqueeze(-1), ids, torch.ones_like(ids), comp, step=step)
-    heldout = [s for s in buf._seqs if s.heldout]
+    heldout = [s for s in buf.sequences if s.heldout]
     assert 0 < len(heldout) < len(buf)
     plans = buf.heldout_plans(rows=2, length=16, segments=3)
     rows = torch.stack(plans)[..., 2].sum().item()
@@ -189,7 +189,7 @@ def test_state_dict_round_trip_is_exact_and_compact() -> None:
     assert state["features"].shape[0] == buf.num_tokens <= 40  # bounded by tokens, live sequences only
     other = FeatureReplayBuffer(capacity_tokens=40, heldout_fraction=0.2, seed=99, dtype=torch.bfloat16)
     other.load_state_dict(state)
-    assert [(s.offset, s.step, s.heldout) for s in other._seqs] == [(s.offset, s.step, s.heldout) for s in buf._seqs]
+    assert [(s.offset, s.step, s.heldout) for s in other.sequences] == [(s.offset, s.step, s.heldout) for s in buf.sequences]
     for _ in range(3):  # the same draws from the same data
         plan = buf.plan(2, 6, 3)
         assert torch.equal(plan, other.plan(2, 6, 3))
@@ -199,7 +199,7 @@ def test_state_dict_round_trip_is_exact_and_compact() -> None:
     ids = torch.randint(1, 100, (1, 12), generator=gen)  # and it evicts the same way afterwards
     for target in (buf, other):
         target.add(torch.zeros(1, 12, 8), ids, torch.ones_like(ids), (torch.arange(12) >= 4).long()[None], step=9)
-    assert [s.step for s in other._seqs] == [s.step for s in buf._seqs]
+    assert [s.step for s in other.sequences] == [s.step for s in buf.sequences]
     with pytest.raises(ValueError, match="resume with the same buffer_tokens"):
         FeatureReplayBuffer(capacity_tokens=41).load_state_dict(state)
 

@@ -74,7 +74,7 @@ def test_siblings_finished_and_prompt_of_the_group() -> None:
     # row 1 ends with [11, 12]: only sibling row 0 has it
     assert drafter.propose(prompt + [11, 12], 3, group="g", row_id=1, prompt_len=4) == [13, 14]
     # the row's completion was registered by propose
-    assert drafter._groups["g"].rows[1].tokens == [11, 12]
+    assert drafter.groups["g"].rows[1].tokens == [11, 12]
     # a finished rollout of the group
     assert drafter.propose(prompt + [7, 21, 22], 2, group="g", row_id=2, prompt_len=4) == [23]
     # the prompt, registered on first sight
@@ -84,17 +84,17 @@ def test_siblings_finished_and_prompt_of_the_group() -> None:
     assert drafter.propose(prompt + [11, 12], 3, group="h", row_id=0, prompt_len=4) == []
     # finish_row moves row 0 to the finished rollouts
     drafter.finish_row("g", 0)
-    assert 0 not in drafter._groups["g"].rows
-    assert [f.tokens for f in drafter._groups["g"].finished][-1] == [10, 11, 12, 13, 14]
+    assert 0 not in drafter.groups["g"].rows
+    assert [f.tokens for f in drafter.groups["g"].finished][-1] == [10, 11, 12, 13, 14]
 
 
 def test_reused_row_id_is_reindexed() -> None:
     drafter = SuffixDrafter(max_match=4, min_match=2)
     drafter.update_group("g", 0, [1, 2, 3, 4])
     drafter.update_group("g", 0, [1, 2, 3, 4, 5])  # extension: incremental
-    assert drafter._groups["g"].rows[0].ends[(4, 5)] == [5]
+    assert drafter.groups["g"].rows[0].ends[(4, 5)] == [5]
     drafter.update_group("g", 0, [9, 8, 7])  # a new sample in the same slot
-    index = drafter._groups["g"].rows[0]
+    index = drafter.groups["g"].rows[0]
     assert index.tokens == [9, 8, 7] and (1, 2) not in index.ends
 
 
@@ -102,10 +102,10 @@ def test_bounds_on_recent_and_groups() -> None:
     drafter = SuffixDrafter(max_recent=2, max_groups=2)
     for i in range(5):
         drafter.add_finished("a", [i, i + 1, i + 2])
-    assert [f.tokens[0] for f in drafter._groups["a"].finished] == [3, 4]
+    assert [f.tokens[0] for f in drafter.groups["a"].finished] == [3, 4]
     drafter.add_finished("b", [1, 2, 3])
     drafter.add_finished("c", [1, 2, 3])  # evicts the least recently used group "a"
-    assert list(drafter._groups) == ["b", "c"]
+    assert list(drafter.groups) == ["b", "c"]
 
 
 def test_state_dict_round_trip() -> None:
@@ -119,7 +119,7 @@ def test_state_dict_round_trip() -> None:
     ctx = [1, 2, 3, 0, 5, 6]
     assert restored.propose(ctx, 2, group="g") == drafter.propose(ctx, 2, group="g") == [7]
     assert restored.propose([0, 1, 2], 2, group="g") == [3]
-    assert restored._groups["g"].rows == {}
+    assert restored.groups["g"].rows == {}
 
 
 def test_propose_batch_and_packing() -> None:

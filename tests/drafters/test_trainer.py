@@ -18,6 +18,7 @@ from lightning_tlt.drafters.buffer import FeatureReplayBuffer
 from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.drafters.offline import add_policy_features, train_drafter
 from lightning_tlt.drafters.pacing import StallPacer
+from lightning_tlt.drafters.side_streams import GreenContexts
 from lightning_tlt.drafters.trainer import DrafterTrainConfig, DrafterTrainer
 from lightning_tlt.models.zoo import build_model
 
@@ -44,8 +45,9 @@ def policy_and_sequences(n: int = 16, seed: int = 1) -> tuple[torch.nn.Module, l
     return policy, seqs, [5] * n
 
 
-def make_trainer(execution: str = "eager", **overrides: object) -> DrafterTrainer:
-    policy, seqs, prompts = policy_and_sequences()
+def make_trainer(execution: str = "eager", policy: torch.nn.Module | None = None, **overrides: object) -> DrafterTrainer:
+    built, seqs, prompts = policy_and_sequences()
+    policy = built if policy is None else policy
     buf = FeatureReplayBuffer(2048, heldout_fraction=0.0, seed=0)
     add_policy_features(buf, policy, seqs, prompts)
     drafter = EagleDrafter.from_target(policy, generator=torch.Generator().manual_seed(0))
@@ -61,14 +63,14 @@ def weights(trainer: DrafterTrainer) -> dict[str, torch.Tensor]:
 def test_step_reads_nothing_back_and_keeps_static_inputs() -> None:
     trainer = make_trainer()
     trainer.enqueue(1)  # optimizer state exists: the step below is what a replay runs
-    plan_ptr = trainer._plan.data_ptr()
-    grads = [p.grad.data_ptr() for p in trainer._params if p.grad is not None]
-    trainer._plan.copy_(trainer.buffer.plan(3, 16, 4))
+    plan_ptr = trainer.plan.data_ptr()
+    grads = [p.grad.data_ptr() for p in trainer.trained_parameters if p.grad is not None]
+    trainer.plan.copy_(trainer.buffer.plan(3, 16, 4))
     before = weights(trainer)
     with NoHostSync(), torch.enable_grad():
-        trainer._step()
-    assert trainer._plan.data_ptr() == plan_ptr  # refilled in place
-    assert len(grads) == len(trainer._params)
+        trainer.step()
+    assert trainer.plan.data_ptr() == plan_ptr  # refilled in place
+    assert len(grads) == len(trainer.trained_parameters)
     assert any(not torch.equal(v, before[k]) for k, v in trainer.drafter.state_dict().items())
     stats = trainer.take_stats()
     assert stats["applied"] == 2 and stats["skipped"] == 0 and 0 < stats["accept_rate"] <= 1
@@ -103,7 +105,7 @@ def test_warmup_schedule_and_validation() -> None:
         DrafterTrainConfig(side_stream_sms=0)
     # a GPU setting in a config run on the CPU: no side stream there, so nothing to partition
     eager = make_trainer(side_stream_sms=16)
-    assert eager.execution == "eager" and eager._stream is None and eager.enqueue(1) == 1
+    assert eager.execution == "eager" and eager.side_stream is None and eager.enqueue(1) == 1
 
 
 def test_side_stream_sms_checks_the_count_and_keeps_one_green_context_per_device_and_count(
@@ -115,8 +117,6 @@ def test_side_stream_sms_checks_the_count_and_keeps_one_green_context_per_device
 
     from torch.cuda import green_contexts
 
-    from lightning_tlt.drafters import trainer as trainer_module
-
     created: list[tuple[int, int]] = []
 
     class FakeContext:
@@ -124,23 +124,22 @@ def test_side_stream_sms_checks_the_count_and_keeps_one_green_context_per_device
             created.append((device_id, num_sms))
 
         def Stream(self) -> object:  # noqa: N802 (torch's name)
-            return object()
+            return self  # stands in for a stream: it says which context made it
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=132))
     monkeypatch.setattr(green_contexts, "SUPPORTED", True)
     monkeypatch.setattr(green_contexts.GreenContext, "create", staticmethod(lambda **kw: FakeContext(**kw)))
-    monkeypatch.setattr(trainer_module, "_GREEN_CONTEXTS", {})
+    contexts = GreenContexts()  # the process's registry (GREEN_CONTEXTS) is left alone
     cuda0 = torch.device("cuda", 0)
-    first, second = make_trainer(side_stream_sms=32), make_trainer(side_stream_sms=32)
-    first._side_stream(cuda0), second._side_stream(cuda0)
-    assert created == [(0, 32)] and first._green is second._green  # one context, outliving either trainer
-    make_trainer(side_stream_sms=64)._side_stream(cuda0)
+    first, second = contexts.stream(cuda0, 32), contexts.stream(cuda0, 32)  # two trainers' side streams
+    assert created == [(0, 32)] and first is second  # one context, outliving either trainer
+    contexts.stream(cuda0, 64)
     assert created == [(0, 32), (0, 64)]
     with pytest.raises(ValueError, match="side_stream_sms must be at most the device's 132 SMs, got 200"):
-        make_trainer(side_stream_sms=200)._side_stream(cuda0)
+        contexts.stream(cuda0, 200)
     monkeypatch.setattr(green_contexts, "SUPPORTED", False)
     with pytest.raises(RuntimeError, match=r"side_stream_sms=16 needs CUDA green contexts, which this torch"):
-        make_trainer(side_stream_sms=16)._side_stream(cuda0)
+        contexts.stream(cuda0, 16)
 
 
 def test_nonfinite_loss_is_skipped_on_the_device() -> None:
@@ -187,9 +186,9 @@ def test_state_round_trip_continues_identically() -> None:
 
 def test_average_keeps_parameter_storage() -> None:
     trainer = make_trainer()
-    ptrs = [p.data_ptr() for p in trainer._params]
+    ptrs = [p.data_ptr() for p in trainer.trained_parameters]
     trainer.average_(lambda flat: flat * 0.5)  # stands in for the rank mean
-    assert [p.data_ptr() for p in trainer._params] == ptrs  # a captured graph would keep working
+    assert [p.data_ptr() for p in trainer.trained_parameters] == ptrs  # a captured graph would keep working
     fresh = make_trainer().drafter.state_dict()
     for name, value in trainer.drafter.state_dict().items():
         if name in dict(trainer.drafter.named_parameters()):
@@ -306,17 +305,18 @@ def test_pacer_counts_only_the_steps_the_learner_accepted() -> None:
     pacer.plan("decode", 4, 0.002, 0)  # clean baseline
     assert pacer.plan("decode", 4, 0.002, 0) > 0
     pacer.queued(0, 0)  # the learner took none (empty buffer, full queue)
-    assert not pacer._loaded  # so the next step is clean, not a loaded one
+    assert not pacer.loaded  # so the next step is clean, not a loaded one
 
 
 def test_the_captured_steps_inputs_are_tracked_by_address() -> None:
     # a CUDA graph replays fixed addresses: `prepare` captures again when any of these moved
-    trainer = make_trainer()
-    before = trainer._addresses()
-    assert before == trainer._addresses() and len(before) == len(list(trainer.drafter.parameters())) + 5
-    head = trainer.drafter._lm_head
+    policy, seqs, prompts = policy_and_sequences()
+    trainer = make_trainer(policy=policy)
+    before = trainer.input_addresses()
+    assert before == trainer.input_addresses() and len(before) == len(list(trainer.drafter.parameters())) + 5
+    head = policy.lm_head  # the drafter's head is the policy's
     head.weight = torch.nn.Parameter(head.weight.detach().clone())  # a reloaded policy's head: new storage
-    assert trainer._addresses() != before
+    assert trainer.input_addresses() != before
 
 
 def test_compute_dtype_runs_the_heads_of_a_float32_policy_in_bf16() -> None:

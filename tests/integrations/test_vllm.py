@@ -242,14 +242,14 @@ def test_the_vllm_backend_checks_positions_and_stop_ids_as_the_native_engine_doe
     from lightning_tlt.rollout.vllm_engine import VLLMRolloutEngine
 
     engine = object.__new__(VLLMRolloutEngine)  # its input checks only: no vllm.LLM behind it
-    engine.vocab_size, engine.max_seq_len, engine._eos_ids = 128, 64, [2]
-    engine._positions = PositionLimit(24, None)
-    assert engine._validate([[1, 2]], SamplingConfig(max_new_tokens=4), 2) == [[1, 2]]
+    engine.vocab_size, engine.max_seq_len, engine.eos_ids = 128, 64, [2]
+    engine.positions = PositionLimit(24, None)
+    assert engine.validate([[1, 2]], SamplingConfig(max_new_tokens=4), 2) == [[1, 2]]
     with pytest.raises(ValueError, match=r"prompt 0 has 30 tokens; with max_new_tokens=4 that is 34 > the policy's "
                                          r"max_position_embeddings=24"):
-        engine._validate([[1] * 30], SamplingConfig(max_new_tokens=4), 1)
+        engine.validate([[1] * 30], SamplingConfig(max_new_tokens=4), 1)
     with pytest.raises(ValueError, match=r"stop token id 128 is outside the vocabulary \[0, 128\)"):
-        engine._validate([[1, 2]], SamplingConfig(max_new_tokens=4, stop_token_ids=[128]), 1)
+        engine.validate([[1, 2]], SamplingConfig(max_new_tokens=4, stop_token_ids=[128]), 1)
 
 
 def test_the_vllm_backend_is_a_drafter_host_that_refuses_a_non_finite_drafter(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -258,7 +258,8 @@ def test_the_vllm_backend_is_a_drafter_host_that_refuses_a_non_finite_drafter(mo
     from lightning_tlt.rollout.vllm_engine import VLLMRolloutEngine
 
     engine = object.__new__(VLLMRolloutEngine)  # the publishing only: the push to vLLM is recorded
-    engine._drafter, engine._drafter_version, engine.last_stats = None, 0, {}
+    engine.last_stats = {}
+    assert engine.drafter is None and engine.drafter_version == 0  # nothing published yet
     pushed: list[EagleDrafter] = []
     monkeypatch.setattr(engine, "update_drafter_weights", lambda d: pushed.append(d) or 1)
     assert isinstance(engine, DrafterHost) and engine.draft_vocab_ids() is None
@@ -478,7 +479,7 @@ class TestNgramEngine:
         assert out.stats["spec_draft_tokens"] == 0.0 and out.stats["spec_fraction"] == 0.0
 
     def test_in_process_policy_update(self, engine, policy) -> None:
-        assert engine._in_process()  # tensors handed over as they are, no serialisation
+        assert engine.in_process  # tensors handed over as they are, no serialisation
         new = build_model("qwen2", "tiny", seed=4)
         engine.update_policy_weights(new)
         assert engine.generate(PROMPTS, GREEDY).completion_ids == hf_greedy(new, PROMPTS, 16)

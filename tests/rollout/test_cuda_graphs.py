@@ -15,7 +15,7 @@ from lightning_tlt.rollout.engine import RolloutEngine
 
 
 @dataclass
-class _Replayable:
+class Replayable:
     """An eager stand-in for a captured graph: replay re-runs the captured function."""
 
     fn: Callable[[], None]
@@ -34,11 +34,11 @@ class RecordingBackend:
         self.order: list[int] = []
         self.current_batch = 0
 
-    def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> _Replayable:
+    def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> Replayable:
         self.order.append(self.current_batch)
         if self.current_batch in self.fail_batches:
             raise RuntimeError("capture failed")
-        return _Replayable(fn, self.nbytes)
+        return Replayable(fn, self.nbytes)
 
 
 def test_bucketing() -> None:
@@ -143,7 +143,7 @@ class WarmupBackend:
     def __init__(self) -> None:
         self.captures = 0
 
-    def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> _Replayable:
+    def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> Replayable:
         for _ in range(2):
             if reset is not None:
                 reset()
@@ -151,7 +151,7 @@ class WarmupBackend:
         if reset is not None:
             reset()
         self.captures += 1
-        return _Replayable(fn, 10)
+        return Replayable(fn, 10)
 
 
 def test_engine_graph_warmup_leaves_no_trace() -> None:

@@ -62,8 +62,8 @@ def test_an_optimizer_step_on_the_policy_reaches_the_fused_weights(optimizer: st
     engine = RolloutEngine(model, max_seq_len=32, max_batch_size=2, fuse_projections=True)
     engine.generate(PROMPTS, GREEDY)
     runner = engine.runner
-    assert runner is not None and runner._fused is not None
-    fused = runner._fused[0]
+    assert runner is not None and runner.fused is not None
+    fused = runner.fused[0]
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, **{optimizer: True})
     ids = torch.tensor([PROMPTS[0] + PROMPTS[2]])
     model.train()
@@ -95,7 +95,7 @@ def test_replaced_weights_are_seen_and_a_training_forward_keeps_autograd() -> No
                          [None] * runner.spec.num_layers, prefill=True)  # fmt: skip
     assert out.logits is not None
     out.logits.sum().backward()  # with grad enabled the policy's own weights are used
-    assert layer.self_attn.q_proj.weight.grad is not None and runner._fused is None
+    assert layer.self_attn.q_proj.weight.grad is not None and runner.fused is None
 
 
 def test_compiled_fused_engine_matches_eager() -> None:
@@ -121,11 +121,11 @@ def test_a_policy_moved_to_another_dtype_gets_new_fused_weights() -> None:
     engine = RolloutEngine(model, max_seq_len=32, max_batch_size=2, fuse_projections=True, compile=False)
     engine.generate(PROMPTS, GREEDY)
     runner = engine.runner
-    assert runner is not None and runner._fused is not None and runner._fused[0].qkv_weight.dtype == torch.float32
+    assert runner is not None and runner.fused is not None and runner.fused[0].qkv_weight.dtype == torch.float32
     model.to(torch.float64)
     runner.sync_fused()
-    assert runner._fused[0].matches(model.model.layers[0]) and runner._fused[0].qkv_weight.dtype == torch.float64
-    torch.testing.assert_close(runner._fused[0].gate_up_weight[: model.config.intermediate_size],
+    assert runner.fused[0].matches(model.model.layers[0]) and runner.fused[0].qkv_weight.dtype == torch.float64
+    torch.testing.assert_close(runner.fused[0].gate_up_weight[: model.config.intermediate_size],
                                model.model.layers[0].mlp.gate_proj.weight, rtol=0, atol=0)  # fmt: skip
 
 

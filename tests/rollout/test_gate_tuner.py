@@ -165,10 +165,10 @@ def test_acceptance_counts_only_the_rows_that_emitted() -> None:
     tuner = DraftLengthTuner((0, 2), epsilon=0.0, buckets=(4,))
     timing = tuner.start(2, 3)
     tuner.stop(timing, torch.tensor([3, 0, 0]))  # one live row took 2 drafts; two finished rows
-    assert list(tuner._accepted[(0, 2)]) == [2.0]
+    assert tuner.accepted()[(0, 2)] == [2.0]
     timing = tuner.start(2, 2)
     tuner.stop(timing, 4)  # a plain count: every active row counts
-    assert list(tuner._accepted[(0, 2)]) == [2.0, 1.0]
+    assert tuner.accepted()[(0, 2)] == [2.0, 1.0]
 
 
 def test_the_bound_is_kept_in_the_state() -> None:

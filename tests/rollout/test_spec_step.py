@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_cuda_graphs import _Replayable
+from test_cuda_graphs import Replayable
 from test_spec_engine import PolicyDrafter, chi_square_quantile, speculative_chi_square, tiny_vocab_model
 from transformers import PreTrainedModel
 
@@ -158,10 +158,10 @@ def test_tuner_keeps_speculating_with_a_drafter_equal_to_the_policy() -> None:
 class CountingBackend:
     """Captures by keeping the function (an eager stand-in for a CUDA graph)."""
 
-    def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> _Replayable:
+    def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> Replayable:
         if reset is not None:
             reset()
-        return _Replayable(fn, 1)
+        return Replayable(fn, 1)
 
 
 def test_twenty_drafter_swaps_keep_the_graph_cache_bounded() -> None:
@@ -268,14 +268,14 @@ def test_a_stale_catch_up_block_wider_than_the_step_is_never_indexed() -> None:
     st.spec.cu_fresh[:4] = True
     st.spec.cu_valid[:4] = torch.tensor([2, 9, 3, 9])
     engine.speculative_step.begin(model.lm_head)
-    engine.speculative_step._eagle_step(engine._context(), 4, 8, 3, SamplingKey(1.0, 0, 1.0), engine.drafter, None)
+    engine.speculative_step.eagle_step(engine.step_context(), 4, 8, 3, SamplingKey(1.0, 0, 1.0), engine.drafter, None)
     assert int(st.spec.draft_lens[0]) == 8  # it ran through
     captured: list[object] = []
 
     class Backend:
-        def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> _Replayable:
+        def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> Replayable:
             captured.append(reset)
-            return _Replayable(fn, 1)
+            return Replayable(fn, 1)
 
     engine.use_graph_backend(Backend())
     engine.generate([[5, 6, 7]], SamplingConfig(temperature=1.0, max_new_tokens=6, stop_token_ids=[]), num_samples=2)
@@ -296,8 +296,8 @@ def test_every_step_shape_of_a_speculating_engine_stays_compiled(monkeypatch: py
         model = build_model("qwen2", "tiny", seed=0)
         config = SpeculativeConfig(method="eagle", threshold=16, hysteresis_steps=1, draft_vocab_size=64)
         engine = RolloutEngine(model, max_seq_len=64, max_batch_size=16, compile=True, speculative=config)
-        engine._ensure_buffers()
-        assert engine.speculative_step is not None and engine.slot_state is not None and engine._cache is not None
+        engine.allocate_buffers()
+        assert engine.speculative_step is not None and engine.slot_state is not None and engine.kv_cache is not None
         engine.speculative_step.begin(model.lm_head)
         st = engine.slot_state
         st.begin([], 20)
@@ -305,12 +305,12 @@ def test_every_step_shape_of_a_speculating_engine_stays_compiled(monkeypatch: py
         st.positions.fill_(10)
         drafter = engine.drafter
         assert drafter is not None
-        st.ensure_drafter_cache(drafter.num_kv_heads, drafter.head_dim, engine._cache.max_seq_len, drafter.fc.weight.dtype)
+        st.ensure_drafter_cache(drafter.num_kv_heads, drafter.head_dim, engine.kv_cache.max_seq_len, drafter.fc.weight.dtype)
         key = SamplingKey(1.0, 0, 1.0)
         for batch in (16, 8, 4, 2, 1):
             for k in (8, 2, 4, 6):
                 for width in (1, 3, 5, 9):
-                    engine.speculative_step._eagle_step(engine._context(), batch, k, width, key, drafter, None)
+                    engine.speculative_step.eagle_step(engine.step_context(), batch, k, width, key, drafter, None)
         assert dynamo_config.recompile_limit >= 64 and engine.compile_failures == []
 
 
@@ -389,24 +389,23 @@ def test_compiling_a_staged_drafter_ahead_covers_every_draft_length(monkeypatch:
     engine = RolloutEngine(model, max_seq_len=64, max_batch_size=16, compile=True, use_cuda_graphs=False,
                            speculative=config, compile_cache=False, fuse_projections=False)  # fmt: skip
     engine.stage_drafter(EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(1)))
-    engine._ensure_buffers()
-    assert engine._spec_step is not None and engine._state is not None and engine._staged is not None
-    engine._spec_step.begin(model.lm_head)
-    st = engine._state
+    engine.allocate_buffers()
+    step, st, drafter = engine.speculative_step, engine.slot_state, engine.staged_drafter
+    assert step is not None and st is not None and drafter is not None
+    step.begin(model.lm_head)
     st.begin([], 20)
     st.finished[:] = False
     st.positions.fill_(10)
     key, longest = SamplingKey(1.0, 0, 1.0), engine.max_draft_tokens
     assert longest > 3
     with torch.inference_mode():  # as in generate
-        engine._compile_staged(4, key, None)
+        engine.compile_staged_drafter(4, key, None)
         assert {"catch_up_rows", "chain_row", "draft_sample", "verify_update"} <= set(compiled), compiled
         ahead = len(compiled)
-        drafter = engine._staged[0]
         with compile_settings():  # as the engine runs its steps
             for batch in (4, 2, 8):
                 for k in (1, 2, 3, longest):
-                    engine._spec_step._eagle_step(engine._context(), batch, k, longest + 1, key, drafter, None)
+                    step.eagle_step(engine.step_context(), batch, k, longest + 1, key, drafter, None)
     assert compiled[ahead:] == [], compiled[ahead:]
     assert engine.compile_failures == []
 
@@ -497,13 +496,14 @@ def test_graphs_are_captured_on_first_use_only_and_leave_no_trace(monkeypatch: p
             engine.use_graph_backend(WarmupBackend())
             assert engine.graph_cache is not None
         seen: set[tuple[str, int, int]] = set()
-        run = engine._run_step
+        run = CUDAGraphProfileCache.run  # every step the engine runs goes through its graph cache's run
 
-        def spy(profile: GraphProfile, fn: Any, run: Any = run, seen: set[Any] = seen) -> None:
+        def spy(graphs: CUDAGraphProfileCache, profile: GraphProfile, fn: Any, run: Any = run,
+                seen: set[Any] = seen, **kw: Any) -> None:  # fmt: skip
             seen.add((profile.phase, profile.batch, profile.tokens_per_row))
-            run(profile, fn)
+            run(graphs, profile, fn, **kw)
 
-        monkeypatch.setattr(engine, "_run_step", spy)
+        monkeypatch.setattr(CUDAGraphProfileCache, "run", spy)
         outs.append(engine.generate(prompts, cfg, num_samples=2, generator=torch.Generator().manual_seed(3)))
         stats.append(dict(engine.last_stats))
         met.append(seen)
@@ -575,11 +575,15 @@ def test_stage_drafter_takes_only_an_eagle_drafter() -> None:
 
 def test_a_step_error_is_raised_not_retried_as_a_compiler_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     engine = RolloutEngine(build_model("qwen2", "tiny", seed=0), max_seq_len=32, max_batch_size=2, compile=False)
+    assert engine.runner is not None
+    forward = engine.runner.forward
 
-    def broken(*args: object) -> None:
+    def broken(*args: Any, prefill: bool = False, **kwargs: Any) -> Any:  # the decode step's forward only
+        if prefill:
+            return forward(*args, prefill=prefill, **kwargs)
         raise ValueError("a bug in the step")
 
-    monkeypatch.setattr(engine, "_decode_step", broken)
+    monkeypatch.setattr(engine.runner, "forward", broken)
     with pytest.raises(ValueError, match="a bug in the step"):  # was: retried until RecursionError
         engine.generate([[5, 6]], GREEDY)
 
@@ -593,7 +597,7 @@ def test_the_tuner_never_scores_a_step_that_captured_a_graph() -> None:
     captures = [0]
 
     class Backend(CountingBackend):
-        def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> _Replayable:
+        def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> Replayable:
             captures[0] += 1
             return super().capture(fn, reset)
 
@@ -610,10 +614,10 @@ def test_the_tuner_never_scores_a_step_that_captured_a_graph() -> None:
         return timing
 
     def stop_(timing, emitted, *, captured=False) -> None:  # type: ignore[no-untyped-def]  # noqa: ANN001
-        samples = sum(len(r) for r in tuner._rewards.values())
+        samples = sum(len(r) for r in tuner.rewards().values())
         stop(timing, emitted, captured=captured)
         if captures[0] != at_start[id(timing)]:  # this step captured: told so, and left unscored
-            assert captured and sum(len(r) for r in tuner._rewards.values()) == samples
+            assert captured and sum(len(r) for r in tuner.rewards().values()) == samples
             discarded[0] += 1
         else:
             assert not captured
