@@ -117,6 +117,12 @@ class DrafterCoTrainConfig(DrafterTrainConfig):
     datamodule's, its tokenizer the datamodule's)."""
     warm_start_sequences: int = 256
     """Worked solutions the "sft" warm start reads."""
+    freeze_after_warm_start: bool = False
+    """The frozen-drafter control of a co-training run: the drafter trains in its warm start only (none with
+    ``warm_start="none"``), is published once (by the usual rules: at once, or at the hand-over from a
+    model-free drafter) and then speculates unchanged: no training in the stalls or while waiting for other
+    ranks, no later publication. Harvest and held-out evaluations go on (``drafter/heldout_*``: how the
+    frozen drafter fares as the policy moves away from it)."""
     average_across_ranks: bool = True
     """Average the drafter weights across ranks at each RL step boundary (DDP)."""
     feature_layers: tuple[int, int, int] | None = None
@@ -392,7 +398,8 @@ class DrafterCoTrainCallback(Callback):
             return
         cfg = self.config
         if event.phase == "done":
-            if cfg.train_while_waiting and not cfg.deterministic and trainer is not None and trainer.world_size > 1:
+            waits = cfg.train_while_waiting and not cfg.deterministic and not cfg.freeze_after_warm_start
+            if waits and trainer is not None and trainer.world_size > 1:
                 self._train_while_waiting()
             return
         if event.phase not in ("decode", "speculative") or not 0 < event.active_rows <= cfg.stall_threshold:
@@ -400,6 +407,8 @@ class DrafterCoTrainCallback(Callback):
             return
         self._window.stall_events += 1
         self._window.stall_time_s += event.step_time_s
+        if cfg.freeze_after_warm_start:  # the frozen control: the stalls are seen (logged), never used
+            return
         n = self.pacer.plan(event.phase, event.active_rows, event.step_time_s, learner.in_flight(), event.captured,
                             event.draft_tokens)
         if n:
@@ -513,6 +522,8 @@ class DrafterCoTrainCallback(Callback):
         assert self.drafter is not None
         cfg = self.config
         if not self._warm_started or self.rl_steps % cfg.publish_every_n_steps or not changed:
+            return False
+        if cfg.freeze_after_warm_start and self.publications > 0:  # frozen: published once, kept
             return False
         if self._model_free(engine):
             if self._heldout is None:
