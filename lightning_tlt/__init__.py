@@ -70,6 +70,8 @@ _EXPORTS: dict[str, str] = {
     "RolloutMetricsCallback": "lightning_tlt.callbacks.rollout_metrics",
     "RolloutProgressCallback": "lightning_tlt.callbacks.rollout_progress",
     "InterruptCheckpoint": "lightning_tlt.callbacks.interrupt_checkpoint",
+    "EvalCallback": "lightning_tlt.callbacks.heldout_eval",
+    "EvalConfig": "lightning_tlt.callbacks.heldout_eval",
     # integrations (vllm and trl are imported only when these are used)
     "VLLMRolloutEngine": "lightning_tlt.rollout.vllm_engine",
     "make_engine": "lightning_tlt.rollout.factory",

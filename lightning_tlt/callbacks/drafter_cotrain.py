@@ -35,8 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -44,6 +43,9 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from lightning_tlt.callbacks.cotrain_config import STATE_FORMAT as STATE_FORMAT
+from lightning_tlt.callbacks.cotrain_config import DrafterCoTrainConfig as DrafterCoTrainConfig
+from lightning_tlt.callbacks.cotrain_config import WarmStart as WarmStart
 from lightning_tlt.core.runner import unwrap_model
 from lightning_tlt.core.types import DrafterHost, StepEvent, mixed_precision_dtype
 from lightning_tlt.data.datamodule import RolloutDataModule
@@ -55,110 +57,8 @@ from lightning_tlt.drafters.pacing import StallPacer
 from lightning_tlt.drafters.publishing import Heldout, agree_across_ranks, drafts_model_free, publish_due
 from lightning_tlt.drafters.publishing import publish_drafter as publish_drafter
 from lightning_tlt.drafters.stalls import StallScheduler
-from lightning_tlt.drafters.trainer import DrafterTrainConfig, DrafterTrainer
+from lightning_tlt.drafters.trainer import DrafterTrainer
 from lightning_tlt.rl.common import PolicyFeatureSource
-
-WarmStart = Literal["none", "rollouts", "sft"]
-STATE_FORMAT = 3
-"""The checkpointed state's format (`DrafterCoTrainCallback.state_dict`); another is refused on load."""
-
-
-@dataclass
-class DrafterCoTrainConfig(DrafterTrainConfig):
-    """Settings of `DrafterCoTrainCallback`: the train step's (`DrafterTrainConfig`) and these."""
-
-    stall_threshold: int = 8
-    """A decode step with at most this many active rows is a stall (the long tail)."""
-    max_steps_per_event: int = 4
-    """Most drafter steps queued at one stall event."""
-    max_decode_slowdown: float | None = 0.05
-    """Cap on the measured slowdown of stall decode steps by the drafter work beside them (0.05:
-    5 %); the steps per event adapt online (`lightning_tlt.drafters.pacing.StallPacer`). ``None``:
-    ``max_steps_per_event`` at every stall event, unmeasured (deterministic)."""
-    deterministic: bool = False
-    """Pace from counted stall events, never from the clock: each stall event earns
-    ``max_decode_slowdown / drafter_step_cost`` drafter steps (as credit, at most
-    ``max_steps_per_event``), the steps are handed over even if the side stream's queue is full (the
-    host waits), and nothing is trained while waiting for other ranks (how long that is, is timing).
-    Two runs with the same seed then make the same drafter steps: bit-identical checkpoints on the CPU.
-    The default of the CPU configs."""
-    drafter_step_cost: float = 0.25
-    """Deterministic mode: the slowdown one drafter step is assumed to add to the stall step beside it
-    (0.25: a quarter of that step), instead of measuring it."""
-    train_while_waiting: bool = True
-    """Under DDP, train after this rank's generation is done while other ranks still generate."""
-    wait_max_steps: int = 200
-    """Most drafter steps while waiting for the other ranks (TLT: 200)."""
-    wait_budget_s: float = 30.0
-    """Most host time spent queueing drafter steps while waiting for the other ranks."""
-    buffer_tokens: int = 65536
-    """Replay buffer size in tokens (features in the policy's dtype, saved in checkpoints)."""
-    heldout_fraction: float = 0.1
-    """Share of harvested sequences never trained on, to measure acceptance."""
-    publish_every_n_steps: int = 1
-    """Publish to the engine every this many RL steps, when the weights changed (TLT's docs advise about 10)."""
-    eval_every_n_steps: int = 10
-    """Held-out acceptance at the first RL step and every this many (queued on the side stream, read
-    one step later)."""
-    eval_draft_tokens: int = 4
-    """k of the logged expected acceptance length ``(1 - α^(k+1)) / (1 - α)``."""
-    eval_max_sequences: int = 32
-    """Newest held-out sequences used per evaluation."""
-    handoff_margin: float | None = 0.0
-    """While the engine speculates with a model-free drafter (``SpeculativeConfig(method="suffix")``,
-    TLT's cold start), the EAGLE drafter replaces it only once its held-out expected acceptance
-    length beats the engine's measured one by this margin (tokens per verify step); ``None``
-    publishes it from the first step regardless."""
-    publish_if_improves: bool = False
-    """Publish only when the latest held-out acceptance rate beats the published drafter's."""
-    warm_start: WarmStart = "none"
-    """Train before the EAGLE drafter speculates: "sft" on a task's worked solutions at fit start,
-    "rollouts" on the first RL step's rollouts at its boundary, "none" not at all."""
-    warm_start_steps: int = 200
-    """Drafter steps of the warm start."""
-    warm_start_task: str | None = None
-    """The zoo task whose worked solutions the "sft" warm start reads (its difficulty is the
-    datamodule's, its tokenizer the datamodule's)."""
-    warm_start_sequences: int = 256
-    """Worked solutions the "sft" warm start reads."""
-    average_across_ranks: bool = True
-    """Average the drafter weights across ranks at each RL step boundary (DDP)."""
-    feature_layers: tuple[int, int, int] | None = None
-    """EAGLE-3 features (three HF ``hidden_states`` indices); ``None``: EAGLE-1 (last hidden state).
-    Co-training needs ``None`` for now: the training step harvests the last hidden state only."""
-    seed: int = 0
-    """Seeds the drafter's init and the buffer's generator."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("stall_threshold", "publish_every_n_steps", "eval_every_n_steps", "eval_max_sequences",
-                     "eval_draft_tokens", "warm_start_sequences"):  # fmt: skip
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        for name in ("max_steps_per_event", "wait_max_steps", "warm_start_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if not self.drafter_step_cost > 0:
-            raise ValueError(f"drafter_step_cost must be > 0, got {self.drafter_step_cost!r}")
-        if not self.wait_budget_s >= 0:
-            raise ValueError(f"wait_budget_s must be >= 0, got {self.wait_budget_s!r}")
-        if self.max_decode_slowdown is not None and not 0.0 < self.max_decode_slowdown <= 1.0:
-            raise ValueError(f"max_decode_slowdown must be in (0, 1] or None, got {self.max_decode_slowdown!r}")
-        if self.buffer_tokens < self.max_len + 1:
-            raise ValueError(f"buffer_tokens must be >= max_len + 1 = {self.max_len + 1}, got {self.buffer_tokens!r}")
-        if not 0.0 <= self.heldout_fraction < 1.0:
-            raise ValueError(f"heldout_fraction must be in [0, 1), got {self.heldout_fraction!r}")
-        if self.warm_start not in ("none", "rollouts", "sft"):
-            raise ValueError(f"warm_start must be 'none', 'rollouts' or 'sft', got {self.warm_start!r}")
-        if self.warm_start == "sft" and self.warm_start_task is None:
-            raise ValueError("warm_start='sft' needs warm_start_task, a zoo task name (e.g. 'countdown')")
-        if self.feature_layers is not None:
-            layers = tuple(self.feature_layers)
-            self.feature_layers = layers  # type: ignore[assignment]
-            if len(layers) != 3:
-                raise ValueError(
-                    f"feature_layers must be three hidden_states indices or None, got {self.feature_layers!r}"
-                )
 
 
 def _weights(module: torch.nn.Module | None) -> dict[str, torch.Tensor] | None:
@@ -213,7 +113,8 @@ class DrafterCoTrainCallback(Callback):
         pacer = StallPacer(cfg.max_steps_per_event, cfg.max_decode_slowdown,
                            step_cost=cfg.drafter_step_cost if cfg.deterministic else None)
         self.stalls = StallScheduler(cfg.stall_threshold, pacer, deterministic=cfg.deterministic,
-                                     wait_max_steps=cfg.wait_max_steps, wait_budget_s=cfg.wait_budget_s)
+                                     wait_max_steps=cfg.wait_max_steps, wait_budget_s=cfg.wait_budget_s,
+                                     frozen=cfg.freeze_after_warm_start)
         """Queues the drafter steps of the stalls (and of the wait for other ranks), paced."""
         self.version = 0
         self.publications = 0
@@ -400,8 +301,9 @@ class DrafterCoTrainCallback(Callback):
             return
         cfg = self.config
         if event.phase == "done":
-            # how long the wait lasts is timing: nothing is trained then in deterministic mode
-            if cfg.train_while_waiting and not cfg.deterministic and trainer is not None and trainer.world_size > 1:
+            # how long the wait lasts is timing: nothing is trained then in deterministic mode (nor when frozen)
+            waits = cfg.train_while_waiting and not cfg.deterministic and not cfg.freeze_after_warm_start
+            if waits and trainer is not None and trainer.world_size > 1:
                 self.stalls.train_while_waiting(learner)
             return
         self.stalls.on_step(event, learner)
@@ -475,6 +377,8 @@ class DrafterCoTrainCallback(Callback):
         assert self.drafter is not None
         cfg = self.config
         if not self._warm_started or self.rl_steps % cfg.publish_every_n_steps or not changed:
+            return False
+        if cfg.freeze_after_warm_start and self.publications > 0:  # frozen: published once, kept
             return False
         if not publish_due(self._heldout, measured, model_free=self._model_free(engine),
                            has_published=self.published is not None, handoff_margin=cfg.handoff_margin,

@@ -19,6 +19,14 @@ exception checkpoint is written; ``last.ckpt`` is the one to resume from.
 
 The decision to stop is agreed across ranks at every step's end (a max over ranks of the signal
 received), so a signal that reaches one rank stops them all at the same step.
+
+Its end of a step runs after every other callback's, wherever it is listed (``setup`` appends a
+private callback that runs it to the end of the Trainer's callbacks), as `ModelCheckpoint`'s does:
+the checkpoint then holds every callback's state after the step (the co-trained drafter's harvest
+and publication, a held-out evaluation's history), and the step's logged metrics are handed to the
+loggers before the process ends, so the interrupted run's metrics lack no step the resumed one does
+not redo. Its signal handlers are installed where it is listed (``on_train_start``, after the
+Trainer's own): listed first, they cover the other callbacks' ``on_train_start`` work too.
 """
 
 from __future__ import annotations
@@ -75,6 +83,14 @@ class InterruptCheckpoint(Callback):
         self._active = False  # between the first training batch and teardown
         self.saved_path: Path | None = None
         """The checkpoint this callback wrote, if any."""
+        self._step_end = _StepEnd(self)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # the step's end (a save, then the exit) after every other callback's: a new list, so the hook loop going
+        # over the old one (this very call's) is not disturbed
+        others = [c for c in trainer.callbacks if c is not self._step_end]  # type: ignore[attr-defined]
+        trainer.callbacks = [*others, self._step_end]  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ signals
     @override
@@ -108,9 +124,8 @@ class InterruptCheckpoint(Callback):
                              batch_idx: int) -> None:
         self._active = True
 
-    @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def end_step(self, trainer: pl.Trainer) -> None:
+        """At the end of an RL step, after every other callback's: save and exit if a signal came (any rank's)."""
         signum = self._agreed_signal(trainer)
         if not signum:
             return
@@ -118,6 +133,8 @@ class InterruptCheckpoint(Callback):
         rank_zero_info(f"{signal.Signals(signum).name}: saved the run at optimizer step {trainer.global_step} to "
                        f"{path}; resume with --ckpt_path {path}")
         self._active = False
+        # the step's metrics, as the loop would log them after this hook (the loggers save them as the run ends)
+        trainer._logger_connector.update_train_step_metrics()
         raise SystemExit(exit_code(signum))
 
     def _agreed_signal(self, trainer: pl.Trainer) -> int:
@@ -187,3 +204,15 @@ class InterruptCheckpoint(Callback):
         trainer.save_checkpoint(path)  # every rank takes part (sharded strategies); rank 0 writes
         self.saved_path = path
         return path
+
+
+class _StepEnd(Callback):
+    """`InterruptCheckpoint.end_step` as a callback of its own, put last in the Trainer's list at ``setup``."""
+
+    def __init__(self, owner: InterruptCheckpoint) -> None:
+        self.owner = owner
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.owner.end_step(trainer)

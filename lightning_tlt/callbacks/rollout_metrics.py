@@ -54,6 +54,7 @@ class RolloutMetricsCallback(Callback):
         self._datamodule: Any = None
         self._fit_start: float | None = None
         self._val_start: float | None = None
+        self._paused_s = 0.0  # time outside the RL steps since the last step's end (`pause`)
 
     def _on_event(self, event: StepEvent) -> None:
         if event.phase != "done":
@@ -98,6 +99,11 @@ class RolloutMetricsCallback(Callback):
             shown = " | ".join(summary_line(0, metrics, {}).split(" | ")[1:])  # less the "step" column
             print_line(trainer, f"validation at step {trainer.global_step} | {shown} | {seconds:.2f} s")
 
+    def pause(self, seconds: float) -> None:
+        """Leave ``seconds`` spent outside the RL steps (a held-out evaluation, `EvalCallback`) out of the next
+        step's ``step_time``, whether they were spent before or after this callback's end of the current step."""
+        self._paused_s += float(seconds)
+
     def tail_metrics(self) -> dict[str, float]:
         """Share of decode steps and of decode time spent with few rows active, since the last call."""
         decode = [e for e in self._events if e.phase in ("decode", "speculative")]
@@ -120,8 +126,8 @@ class RolloutMetricsCallback(Callback):
         now = time.perf_counter()
         metrics = self.tail_metrics()
         if self._last_end is not None:
-            metrics["step_time"] = now - self._last_end
-        self._last_end = now
+            metrics["step_time"] = now - self._last_end - self._paused_s
+        self._last_end, self._paused_s = now, 0.0
         size = len(batch) if hasattr(batch, "__len__") else 1
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=size)

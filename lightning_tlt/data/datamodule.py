@@ -11,7 +11,6 @@ and is exactly resumable: `state_dict` holds the data position and the sampling 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -24,6 +23,7 @@ from typing_extensions import override
 from lightning_tlt.core.types import (
     DrafterHost,
     RolloutBackend,
+    RolloutOutput,
     SamplingConfig,
     SpeculativeConfig,
     StepListener,
@@ -32,7 +32,7 @@ from lightning_tlt.core.types import (
 from lightning_tlt.data.rewards import (
     OnRewardError,
     RewardFunc,
-    compute_rewards,
+    RewardScores,
     drop_overflowing_groups,
     reward_func_name,
 )
@@ -44,6 +44,8 @@ from lightning_tlt.data.rollout_support import (
     engine_metrics,
     load_tokenizer,
     module_settings,
+    pick_heldout,
+    score_completions,
     to_batch,
 )
 from lightning_tlt.data.sources import (
@@ -212,6 +214,7 @@ class RolloutDataModule(pl.LightningDataModule):
         # the resumable position: epoch, prompts consumed in it, rollouts made, tokens seen
         self._epoch, self._index, self._rl_step, self._num_tokens = 0, 0, 0, 0
         self._adaptive_state: dict[str, Any] | None = None  # the engine's gate and tuner, until it exists
+        self._heldout_prompt_ids: list[list[int]] = []  # `heldout_dataset`'s, for the engine's context
         self._setup_done = False
 
     # ------------------------------------------------------------------ setup
@@ -269,7 +272,7 @@ class RolloutDataModule(pl.LightningDataModule):
         """Refuse, before any rollout, a context longer than the policy has positions for."""
         assert self.sampling is not None
         positions = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
-        longest = max(len(p) for p in self._train_prompt_ids + self._eval_prompt_ids)
+        longest = self._longest_prompt()
         context = self.max_seq_len or longest + self.sampling.max_new_tokens
         if positions is not None and context > positions:
             given, fix = (
@@ -282,6 +285,49 @@ class RolloutDataModule(pl.LightningDataModule):
                 f"{given} = {context} tokens is more than the policy's {positions} positions "
                 f"(config.max_position_embeddings); {fix}"
             )
+
+    def _longest_prompt(self) -> int:
+        """The longest prompt in tokens: training's, validation's and the held-out sets' (the engine's context)."""
+        return max(len(p) for p in self._train_prompt_ids + self._eval_prompt_ids + self._heldout_prompt_ids)
+
+    def heldout_dataset(self, size: int) -> Dataset:
+        """``size`` distinct prompts never trained on, for an evaluation beside training (`EvalCallback`): a zoo
+        task's test split (`lightning_tlt.tasks.base.split_of`: a statement's CRC32 puts it in one split only),
+        else the validation prompts; checked against the training prompts (`pick_heldout`). Call it before the
+        engine is built (a callback's ``setup``): the engine's context then fits the longest of them."""
+        assert self.train_data is not None, "call setup/prepare first"
+        arg, eval_data = self._dataset_arg, self.eval_data
+        if isinstance(arg, str) and is_task_name(arg) and self._eval_arg is None:
+            rows = pick_heldout(lambda n: self._load(arg, split="test", size=n)[0].to_list(), size,
+                                self.train_data["prompt"])  # fmt: skip
+        elif eval_data is not None:
+            rows = pick_heldout(lambda n: eval_data.to_list(), size, self.train_data["prompt"])
+        else:
+            raise ValueError("no held-out prompts: give eval_dataset (or eval_split), or a zoo task name as dataset")
+        from datasets import Dataset
+
+        self._heldout_prompt_ids += [self._encode(row["prompt"]) for row in rows]
+        return Dataset.from_list(rows)
+
+    def generate_aside(
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, num_samples: int, generator: torch.Generator
+    ) -> RolloutOutput:
+        """Generate with the training engine outside training (a held-out evaluation), as if it never happened:
+        no step listener hears it (co-training, metrics, progress), and the engine's adaptive state (gate,
+        tuner, draft vocabulary) and its last call's stats are put back afterwards. ``generator`` seeds it."""
+        engine = self.engine
+        adaptive, stats = engine.adaptive_state_dict(), dict(getattr(engine, "last_stats", {}))
+        for fn in self._listeners:
+            engine.remove_listener(fn)
+        try:
+            with torch.no_grad():
+                return engine.generate(prompt_ids, sampling, num_samples=num_samples, generator=generator)
+        finally:
+            for fn in self._listeners:
+                engine.add_listener(fn)
+            engine.load_adaptive_state_dict(adaptive)
+            if hasattr(engine, "last_stats"):
+                engine.last_stats = stats
 
     def _inherit(self, settings: RolloutSettings) -> None:
         for name in ("num_generations", "sampling", "scale_rewards", "reward_weights"):
@@ -340,7 +386,7 @@ class RolloutDataModule(pl.LightningDataModule):
         """The rollout engine (``engine`` says which), created on first use on the policy's device."""
         if self._engine is None:
             assert self.sampling is not None and self.num_generations is not None
-            longest = max(len(p) for p in self._train_prompt_ids + self._eval_prompt_ids)
+            longest = self._longest_prompt()
             rows = self.prompts_per_step * self.num_generations
             kwargs = dict(
                 max_batch_size=self.max_batch_size or rows,
@@ -472,13 +518,7 @@ class RolloutDataModule(pl.LightningDataModule):
         if len(out) != len(rows) * g:
             raise RuntimeError(f"the engine returned {len(out)} completions for {len(rows)} prompts x {g}")
         check_sampled_from_finite_logits(out, self._trainer_step())
-        prompts = [rec["prompt"] for rec in records for _ in range(g)]
-        texts = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-        conversational = not isinstance(prompts[0], str)
-        completions: list[Any] = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-        columns = {k: [rec[k] for rec in records for _ in range(g)] for k in records[0] if k != "prompt"}
         step = self._trainer_step()
-        t0 = time.perf_counter()
         logged: dict[str, list[float]] = {}
         extra_columns: dict[str, list[Any]] = {}
 
@@ -488,13 +528,9 @@ class RolloutDataModule(pl.LightningDataModule):
         def log_extra(column: str, values: list[Any]) -> None:  # TRL's hook: a column of the completions table
             extra_columns[column] = list(values)
 
-        per_func, errors, nonfinite = compute_rewards(
-            self.reward_funcs, prompts=prompts, completions=completions, completion_ids=out.completion_ids,
-            columns=columns, on_error=self.on_reward_error,
-            extra_kwargs={"trainer_state": TrainerStateView(step, self._max_steps()), "log_metric": log_metric,
-                          "log_extra": log_extra},
+        prompts, completions, (per_func, errors, nonfinite), reward_time = self.score(
+            records, out, g, {"log_metric": log_metric, "log_extra": log_extra}
         )
-        reward_time = time.perf_counter() - t0
         weights = torch.tensor(self.reward_weights, dtype=torch.float32) if self.reward_weights else None
         rewards, overflowed = drop_overflowing_groups(combine_rewards(per_func, weights), g, self.scale_rewards,
                                                       prompts, self.on_reward_error)
@@ -511,6 +547,16 @@ class RolloutDataModule(pl.LightningDataModule):
         batch.metrics.update({name: sum(v) / len(v) for name, v in logged.items()})
         batch.extra_columns = extra_columns
         return batch
+
+    def score(
+        self, records: list[dict[str, Any]], out: RolloutOutput, num_samples: int, hooks: dict[str, Any] | None = None
+    ) -> tuple[list[Any], list[Any], RewardScores, float]:
+        """Score ``out`` (``num_samples`` completions of each of ``records``) with the reward functions, TRL's way
+        (`score_completions`; ``hooks``: TRL's ``log_metric`` and ``log_extra``). Returns the prompts, the
+        completions, the scores and the seconds the reward functions took."""
+        kwargs = {"trainer_state": TrainerStateView(self._trainer_step(), self._max_steps()), **(hooks or {})}
+        return score_completions(self.reward_funcs, self.tokenizer, records, out, num_samples, self.on_reward_error,
+                                 kwargs)  # fmt: skip
 
     def _trainer_step(self) -> int:
         return int(self.trainer.global_step) if self.trainer is not None else self._rl_step

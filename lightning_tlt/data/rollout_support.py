@@ -8,12 +8,15 @@ metrics (TRL's names, and the engine's under ``rollout/``).
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_tlt.core.types import RolloutOutput
+from lightning_tlt.data.rewards import OnRewardError, RewardFunc, RewardScores, compute_rewards
 from lightning_tlt.data.sources import describe_source
 from lightning_tlt.rl.advantages import nanstd
 from lightning_tlt.rl.batch import RolloutBatch, RolloutSettings, RolloutSettingsSource, pad_left, pad_right
@@ -169,3 +172,70 @@ def engine_metrics(stats: dict[str, float]) -> dict[str, float]:
                                                                           "spec/speculative_step_share"):
             m[key] = float(value)
     return m
+
+
+def prompt_key(prompt: Any) -> str:
+    """A prompt (a string, or a list of messages) as a string that is equal exactly when the prompts are."""
+    import json
+
+    return prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True)
+
+
+def pick_heldout(draw: Callable[[int], list[dict[str, Any]]], size: int, train_prompts: list[Any]) -> list[dict[str, Any]]:
+    """The first ``size`` rows of ``draw(n)`` with distinct prompts, none of them a training prompt.
+
+    ``draw(n)`` returns ``n`` rows or more (a source that ignores ``n``: all it has); a source with repeats
+    (a small task split) is drawn again at twice the size until ``size`` distinct prompts come, at most 64x.
+
+    Raises:
+        ValueError: ``size`` < 1, fewer than ``size`` distinct prompts, or a held-out prompt that is a
+            training prompt too (naming how many and the first).
+    """
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size!r}")
+    rows: list[dict[str, Any]] = []
+    n = size
+    while len(rows) < size and n <= 64 * size:
+        seen: dict[str, dict[str, Any]] = {}
+        for row in draw(n):
+            seen.setdefault(prompt_key(row["prompt"]), row)
+        grew, rows = len(seen) > len(rows), list(seen.values())[:size]
+        if not grew:
+            break
+        n *= 2
+    if len(rows) < size:
+        raise ValueError(f"asked for {size} held-out prompts, the held-out source has {len(rows)} distinct ones")
+    train = {prompt_key(p) for p in train_prompts}
+    shared = [row["prompt"] for row in rows if prompt_key(row["prompt"]) in train]
+    if shared:
+        raise ValueError(f"{len(shared)} of the {size} held-out prompts are training prompts too "
+                         f"(first: {shared[0]!r}); held-out prompts must never be trained on")
+    return rows
+
+
+def score_completions(
+    reward_funcs: list[RewardFunc],
+    tokenizer: Any,
+    records: list[dict[str, Any]],
+    out: RolloutOutput,
+    num_samples: int,
+    on_error: OnRewardError,
+    extra_kwargs: dict[str, Any],
+) -> tuple[list[Any], list[Any], RewardScores, float]:
+    """Decode and score ``out``, ``num_samples`` completions of each of ``records`` in order, TRL's way.
+
+    Each record's prompt and other columns are repeated per completion and reach the reward functions as
+    keyword arguments (with ``extra_kwargs``; TRL's ``log_metric`` and ``log_extra`` hooks default to no-ops);
+    a conversational prompt's completion is an assistant message. Returns the prompts, the completions, the
+    `RewardScores` and the seconds the reward functions took.
+    """
+    prompts = [rec["prompt"] for rec in records for _ in range(num_samples)]
+    texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+    conversational = not isinstance(prompts[0], str)
+    completions: list[Any] = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+    columns = {k: [rec[k] for rec in records for _ in range(num_samples)] for k in records[0] if k != "prompt"}
+    hooks = {"log_metric": lambda name, value: None, "log_extra": lambda column, values: None}
+    t0 = time.perf_counter()
+    scores = compute_rewards(reward_funcs, prompts=prompts, completions=completions, completion_ids=out.completion_ids,
+                             columns=columns, on_error=on_error, extra_kwargs={**hooks, **extra_kwargs})
+    return prompts, completions, scores, time.perf_counter() - t0

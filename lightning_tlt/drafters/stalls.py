@@ -44,6 +44,8 @@ class StallScheduler:
             so that the same stall events give the same drafter steps in every run.
         wait_max_steps: most drafter steps while waiting for the other ranks (`train_while_waiting`).
         wait_budget_s: most host time spent queueing drafter steps while waiting for the other ranks.
+        frozen: the frozen-drafter control (``freeze_after_warm_start``): stalls are counted and logged,
+            never used.
     """
 
     def __init__(
@@ -54,12 +56,14 @@ class StallScheduler:
         deterministic: bool = False,
         wait_max_steps: int = 200,
         wait_budget_s: float = 30.0,
+        frozen: bool = False,
     ) -> None:
         self.stall_threshold = stall_threshold
         self.pacer = pacer
         self.deterministic = deterministic
         self.wait_max_steps = wait_max_steps
         self.wait_budget_s = wait_budget_s
+        self.frozen = frozen
         self.window = StallWindow()
         """What this RL step's events held so far."""
         self.step_log: list[tuple[str, int, int]] = []
@@ -73,6 +77,8 @@ class StallScheduler:
             return 0
         self.window.stall_events += 1
         self.window.stall_time_s += event.step_time_s
+        if self.frozen:  # the frozen control: the stalls are seen (logged), never used
+            return 0
         n = self.pacer.plan(event.phase, event.active_rows, event.step_time_s, learner.in_flight(), event.captured,
                             event.draft_tokens)
         if not n:

@@ -545,6 +545,32 @@ def test_warm_start_from_the_first_rollouts_beats_a_cold_drafter(tmp_path: Path)
     assert warm > cold_rate[0] + 0.3, (cold_rate[0], warm)
 
 
+@pytest.mark.parametrize("spec", ["eagle", "suffix"])
+def test_a_frozen_drafter_trains_in_its_warm_start_only_and_is_published_once(tmp_path: Path, spec: str) -> None:
+    """freeze_after_warm_start (the frozen arm of a co-training run): the warm start's steps and no more, though
+    the stalls came (counted, as in the co-trained arm, which trains in them); published once, at once on an
+    EAGLE engine or at the hand-over from the suffix drafter, and never again; the engine drafts with it."""
+    speculative = EAGLE if spec == "eagle" else SpeculativeConfig(
+        method="suffix", threshold=8, hysteresis_steps=1, plain_arm=False)
+    runs = {}
+    for frozen in (True, False):
+        module, data = make(sharpen=True, speculative=speculative)
+        cb = callback(warm_start="rollouts", warm_start_steps=10, freeze_after_warm_start=frozen,
+                      handoff_margin=-100.0 if spec == "suffix" else 0.0)
+        trainer(tmp_path / str(frozen), 3, [cb], enable_checkpointing=False).fit(module, datamodule=data)
+        runs[frozen] = (cb, data)
+    cb, data = runs[True]
+    assert cb.learner is not None and cb.learner.steps_enqueued == 10  # the warm start's, nothing in the stalls
+    assert cb.last_metrics["drafter/stall_events"] > 0 and cb.last_metrics["drafter/steps_this_rl_step"] == 0
+    assert cb.publications == 1 and data.engine.drafter is cb.published and isinstance(cb.published, EagleDrafter)
+    assert cb.drafter is not None
+    for name, value in cb.drafter.state_dict().items():  # what it drafts with is what the warm start made
+        assert torch.equal(cb.published.state_dict()[name].to(value.dtype), value), name
+    assert len(cb.evaluations) >= 2  # held-out acceptance is still measured
+    trained, _ = runs[False]
+    assert trained.learner is not None and trained.learner.steps_enqueued > 10 and trained.publications > 1
+
+
 def test_sft_warm_start_trains_before_the_first_rollout(tmp_path: Path) -> None:
     module, data = make(speculative=EAGLE)
     cb = callback(warm_start="sft", warm_start_task="arithmetic", warm_start_sequences=8, warm_start_steps=5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import os
 import re
 import signal
@@ -15,6 +16,7 @@ import pytest
 import torch
 import yaml
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
 
 from lightning_tlt.callbacks.interrupt_checkpoint import InterruptCheckpoint
 from lightning_tlt.data.datamodule import RolloutDataModule
@@ -84,6 +86,41 @@ def test_a_signal_finishes_the_step_saves_last_and_the_resumed_run_equals_the_un
     assert resumed.keys() == straight.keys()
     for name, value in straight.items():
         assert torch.equal(resumed[name], value), name  # bit for bit
+
+
+class StepCounter(Callback):
+    """Counts the ends of RL steps it saw, in its checkpointed state (as the drafter's and the evaluation's are)."""
+
+    def __init__(self) -> None:
+        self.ends = 0
+
+    def on_train_batch_end(self, *args: object) -> None:
+        self.ends += 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"ends": self.ends}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.ends = state_dict["ends"]
+
+
+def test_the_interrupted_step_is_whole_in_the_checkpoint_and_in_the_logged_metrics(tmp_path: Path) -> None:
+    """Listed first, the callback still ends the step after every other one (a callback after it in the list has
+    its end of the interrupted step in last.ckpt), and the step's metrics reach the logger before the exit."""
+    module, data = make()
+    counter = StepCounter()
+    run = pl.Trainer(max_steps=4 * ITERATIONS, accelerator="cpu", logger=CSVLogger(tmp_path, name="csv"),
+                     log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
+                     num_sanity_val_steps=0, default_root_dir=tmp_path,
+                     callbacks=[InterruptCheckpoint(), counter, SignalAt(signal.SIGTERM, batch=1)])  # fmt: skip
+    with pytest.raises(SystemExit):
+        run.fit(module, data)
+    saved = torch.load(next(tmp_path.rglob("last.ckpt")), weights_only=False)
+    assert saved["global_step"] == 2 * ITERATIONS and counter.ends == 2
+    assert saved["callbacks"]["StepCounter"] == {"ends": 2}  # the interrupted step's end is in it
+    with open(next(tmp_path.glob("csv/version_0/metrics.csv"))) as f:
+        logged = [int(r["step"]) for r in csv.DictReader(f) if r.get("loss")]
+    assert logged == [ITERATIONS, 2 * ITERATIONS]  # both RL steps' metrics, the interrupted one's too
 
 
 def test_an_exception_writes_a_resumable_checkpoint(tmp_path: Path) -> None:

@@ -70,3 +70,19 @@ def test_validation_is_timed_apart_from_the_steps(monkeypatch: pytest.MonkeyPatc
     assert printed[-2] == "validation at step 2 | reward 1.500 ± 0.000 (f 0.750) | 48.00 s"
     assert callback.state_dict()["validations"] == [{"step": 2, "seconds": 48.0, "reward": 1.5,
                                                      "rewards/f/mean": 0.75}]
+
+
+def test_paused_seconds_are_left_out_of_the_next_step_whenever_they_were_spent(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = iter([0.0, 10.0, 25.0, 40.0])  # fit start, then three step ends
+    monkeypatch.setattr("lightning_tlt.callbacks.rollout_metrics.time.perf_counter", lambda: next(clock))
+    logged: dict[str, list[float]] = {}
+    module = SimpleNamespace(log=lambda name, value, **kw: logged.setdefault(name, []).append(value))
+    trainer = SimpleNamespace(datamodule=None, global_step=0, max_steps=3)
+    callback = RolloutMetricsCallback(print_every_n_steps=0)
+    callback.on_fit_start(trainer, module)
+    callback.pause(4.0)  # an evaluation before the first step (step 0's control)
+    callback.on_train_batch_end(trainer, module, None, [], 0)
+    callback.on_train_batch_end(trainer, module, None, [], 1)
+    callback.pause(5.0)  # at step 2's end, after this callback's end of it: step 3 leaves it out
+    callback.on_train_batch_end(trainer, module, None, [], 2)
+    assert logged["step_time"] == [6.0, 15.0, 10.0]
