@@ -25,9 +25,9 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch import nn
 
 from lightning_tlt.core.runner import unwrap_model
-from lightning_tlt.core.sharding import is_sharded
+from lightning_tlt.core.sharding import is_dtensor, is_sharded
 
-__all__ = ["STRATEGY_HINT", "check_strategy", "shard_module", "sharded_strategy"]
+__all__ = ["STRATEGY_HINT", "check_sharded_training", "check_strategy", "shard_module", "sharded_strategy"]
 
 STRATEGY_HINT = (
     "strategy: {class_path: lightning.pytorch.strategies.ModelParallelStrategy, "
@@ -94,3 +94,20 @@ def shard_module(module: nn.Module, mesh: Any) -> nn.Module:
         fully_shard(layer, mesh=mesh)
     fully_shard(module, mesh=mesh)
     return module
+
+
+def check_sharded_training(trainable: list[nn.Parameter], module: nn.Module) -> None:
+    """Refuse a trainable parameter left unsharded: nothing would average its gradient across ranks
+    (``ModelParallelStrategy`` has no DDP), so the ranks' copies would drift apart.
+
+    Raises:
+        ValueError: naming the first such parameter.
+    """
+    names = {id(p): n for n, p in module.named_parameters()}
+    plain = [names.get(id(p), "?") for p in trainable if not is_dtensor(p)]
+    if plain:
+        raise ValueError(
+            f"{len(plain)} trainable parameters are not sharded (first: {plain[0]!r}): under ModelParallelStrategy "
+            "nothing averages their gradients across ranks; shard the module that holds them in configure_model "
+            "(RLModule.models_to_shard) or freeze them"
+        )
