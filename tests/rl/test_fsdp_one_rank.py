@@ -4,10 +4,12 @@ co-trained on an engine that keeps no whole copy of a sharded policy."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import lightning.pytorch as pl
 import pytest
@@ -16,7 +18,11 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch.distributed.device_mesh import init_device_mesh
 
-from lightning_tlt.callbacks.drafter_cotrain import DrafterCoTrainCallback, DrafterCoTrainConfig, shared_weights
+from lightning_tlt.callbacks.drafter_cotrain import (
+    DrafterCoTrainCallback,
+    DrafterCoTrainConfig,
+    shared_weights,
+)
 from lightning_tlt.core.sharding import is_sharded
 from lightning_tlt.data.datamodule import RolloutDataModule
 from lightning_tlt.models.zoo import build_model
@@ -78,11 +84,14 @@ def test_grpo_with_the_drafter_on_one_sharded_rank(tmp_path: Path) -> None:
             precision="bf16-mixed", max_steps=steps, logger=False, enable_progress_bar=False,
             enable_model_summary=False, limit_val_batches=0, callbacks=[cb, ckpt],
         )  # fmt: skip
-        try:
-            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        # Lightning's launcher writes MASTER_PORT, LOCAL_RANK, WORLD_SIZE, ... into this process's environment:
+        # put it back, or a later test's subprocess would take itself for an externally launched rank
+        with mock.patch.dict(os.environ):
+            try:
+                trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
         return module, cb, data
 
     module, cb, data = run(3)
