@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_tlt.core.prompts import check_stop_ids, policy_positions, validate_prompts
-from lightning_tlt.core.sharding import is_sharded, local_tensor
+from lightning_tlt.core.sharding import is_sharded
 from lightning_tlt.core.types import (
     FinishReason,
     RolloutOutput,
@@ -529,10 +529,10 @@ class VLLMRolloutEngine:
 
     def _param_versions(self) -> tuple[int, ...]:
         """In-place modification counters of the held policy's parameters (empty without one; a sharded
-        policy's: of this rank's shards, which every optimizer step updates on every rank)."""
+        policy's ``DTensor`` s count their own in-place updates, which every optimizer step makes on every rank)."""
         if self._policy is None:
             return ()
-        return tuple(local_tensor(p)._version for p in unwrap_module(self._policy).parameters())
+        return tuple(p._version for p in unwrap_module(self._policy).parameters())
 
     def _model_dtype(self) -> torch.dtype | None:
         """vLLM's model dtype: what a sharded policy's gathered tensors are cast to on the way."""
