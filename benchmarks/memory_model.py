@@ -8,14 +8,23 @@ the precisions the kit trains and rolls out in, and a rank's share of each part 
   sharded: 16 bytes a parameter over the ranks.
 - ``inference_copy``: the bf16 copy the native engine decodes from, whole on every rank (the engine
   reads unsharded weights; the gather writes it layer by layer, never a second float32 copy).
-- ``gather_buffer``: the one layer gathered in float32 while the copy is written.
+- ``gather_buffer``: the one parameter gathered whole in float32 while the copy is written
+  (`lightning_tlt.rollout.inference_copy.gathered_parameters`: one at a time, so the largest, the
+  embedding, sets it; logged per step as ``rollout/gather_buffer_mib``, on CUDA with the measured
+  ``rollout/gather_peak_mib``).
+- ``fsdp_buffers``: what FSDP2 holds whole during the training forward and backward
+  (`lightning_tlt.rl.fsdp`: each decoder layer one unit, the rest the root unit): the root unit
+  (embedding, final norm, head unless tied) in float32 from the forward's start to the backward's
+  end, and about three layers in float32 (the one computing, the one prefetched, and one layer's
+  gradient before its reduce-scatter).
 - ``kv_cache``: bf16 K and V of every layer for the rank's rollout rows at their longest.
 - ``activations``: the training forward under activation checkpointing, at ``--micro-batch-tokens``:
   one bf16 hidden state per layer per token kept, one layer's full working set recomputed, and the
   float32 logits of the loss's chunk (``--logit-chunk-tokens``).
 - ``drafter``: the EAGLE layer (an ``fc`` of 2H -> H, one decoder layer) replicated: float32
   weights, gradients, AdamW moments and a bf16 published copy; it shares the policy's embedding
-  and head through the inference copy.
+  and head through the inference copy; and its replay buffer of ``--buffer-tokens`` bf16 features
+  (each rank its own).
 
 It prints a table and writes JSON (``benchmarks/results/memory_model.json``). The 0.5 B row is the
 zoo's ``0.5b`` policy: its parameter count is checked against the built model by the tests, and
@@ -63,6 +72,14 @@ class Shape:
         embed = self.vocab * self.hidden
         return embed * (1 if self.tied else 2) + self.layers * self.layer_params() + self.hidden
 
+    def largest_param(self) -> int:
+        """The largest single parameter: the embedding (or the untied head), else an MLP matrix."""
+        return max(self.vocab * self.hidden, self.hidden * self.intermediate)
+
+    def root_params(self) -> int:
+        """What stays outside the decoder layers (FSDP2's root unit): embedding, final norm, untied head."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 
@@ -77,12 +94,12 @@ SHAPES: dict[str, Shape] = {
 
 
 def per_rank_bytes(shape: Shape, *, ranks: int, rows: int, max_tokens: int, micro_batch_tokens: int,
-                   logit_chunk_tokens: int, rollout_tp: int = 1) -> dict[str, float]:
+                   logit_chunk_tokens: int, rollout_tp: int = 1, buffer_tokens: int = 65536) -> dict[str, float]:
     """Bytes each part of one RL step needs on one rank (see the module's docstring); ``rollout_tp``:
     rollouts tensor-parallel over that many ranks (vLLM's ``tensor_parallel_size``), which splits the
-    inference copy and the KV cache of their rows."""
+    inference copy and the KV cache of their rows; ``buffer_tokens``: the drafter's replay buffer."""
     counts = dict(ranks=ranks, rows=rows, max_tokens=max_tokens, micro_batch_tokens=micro_batch_tokens,
-                  logit_chunk_tokens=logit_chunk_tokens, rollout_tp=rollout_tp)
+                  logit_chunk_tokens=logit_chunk_tokens, rollout_tp=rollout_tp, buffer_tokens=buffer_tokens)
     if any(v < 1 for v in counts.values()):
         raise ValueError("every count must be >= 1: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
     if ranks % rollout_tp:
@@ -93,10 +110,11 @@ def per_rank_bytes(shape: Shape, *, ranks: int, rows: int, max_tokens: int, micr
     return {
         "train_state": 16 * p / ranks,
         "inference_copy": 2 * p / rollout_tp,
-        "gather_buffer": 4 * max(shape.layer_params(), shape.vocab * h),
+        "gather_buffer": 4 * shape.largest_param(),
+        "fsdp_buffers": (4 * (shape.root_params() + 3 * shape.layer_params()) if ranks > 1 else 0),
         "kv_cache": rows * max_tokens * shape.kv_bytes_per_token() / rollout_tp,
         "activations": micro_batch_tokens * shape.layers * h * 2 + layer_working + logit_chunk_tokens * shape.vocab * 4,
-        "drafter": 18 * drafter,
+        "drafter": 18 * drafter + buffer_tokens * h * 2,
     }
 
 
@@ -106,7 +124,7 @@ def model(args: argparse.Namespace) -> dict[str, Any]:
     for name, shape in SHAPES.items():
         parts = per_rank_bytes(shape, ranks=args.ranks, rows=rows_per_rank, max_tokens=args.max_tokens,
                                micro_batch_tokens=args.micro_batch_tokens, logit_chunk_tokens=args.logit_chunk_tokens,
-                               rollout_tp=args.rollout_tp)
+                               rollout_tp=args.rollout_tp, buffer_tokens=args.buffer_tokens)
         total = sum(parts.values())
         table[name] = {
             "params": shape.params(),
@@ -134,6 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--micro-batch-tokens", type=int, default=16384)
     p.add_argument("--logit-chunk-tokens", type=int, default=4096)
     p.add_argument("--rollout-tp", type=int, default=1, help="rollouts tensor-parallel over this many ranks (vLLM)")
+    p.add_argument("--buffer-tokens", type=int, default=65536, help="the drafter's replay buffer (DrafterCoTrainConfig)")
     add_common_flags(p, out_default=str(ROOT / "benchmarks" / "results" / "memory_model.json"), smoke=False)
     args = p.parse_args(argv)
     out = args.out

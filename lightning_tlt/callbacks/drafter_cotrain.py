@@ -46,7 +46,9 @@ from typing_extensions import override
 from lightning_tlt.callbacks.cotrain_config import STATE_FORMAT as STATE_FORMAT
 from lightning_tlt.callbacks.cotrain_config import DrafterCoTrainConfig as DrafterCoTrainConfig
 from lightning_tlt.callbacks.cotrain_config import WarmStart as WarmStart
+from lightning_tlt.core.rank_state import current_rank, gather_rank_states, rank_state
 from lightning_tlt.core.runner import unwrap_model
+from lightning_tlt.core.sharding import is_sharded
 from lightning_tlt.core.types import DrafterHost, StepEvent, mixed_precision_dtype
 from lightning_tlt.data.datamodule import RolloutDataModule
 from lightning_tlt.drafters.buffer import FeatureReplayBuffer
@@ -59,6 +61,28 @@ from lightning_tlt.drafters.publishing import publish_drafter as publish_drafter
 from lightning_tlt.drafters.stalls import StallScheduler
 from lightning_tlt.drafters.trainer import DrafterTrainer
 from lightning_tlt.rl.common import PolicyFeatureSource
+
+
+def shared_weights(policy: torch.nn.Module, engine: DrafterHost) -> torch.nn.Module | None:
+    """What a drafter of ``policy`` reads the embedding and LM head from, when not the policy itself.
+
+    A sharded policy (FSDP2) holds a slice of each on every rank; the native engine's inference copy
+    holds them whole (gathered before every rollout, in the engine's dtype), so the drafter reads those,
+    in training and in drafting alike. ``None`` for an unsharded policy.
+
+    Raises:
+        ValueError: a sharded policy on an engine without a whole copy (the vLLM backend).
+    """
+    if not is_sharded(unwrap_model(policy)):
+        return None
+    copy = getattr(engine, "inference_copy", None)
+    if copy is None or not getattr(copy, "sharded", False):
+        raise ValueError(
+            f"DrafterCoTrainCallback under a sharded policy (FSDP) trains the drafter against the embedding and LM "
+            f"head of the native engine's gathered copy; the {type(engine).__name__} backend keeps none. Use "
+            "RolloutDataModule(engine='native'), or train the drafter offline (lightning-tlt train-drafter)"
+        )
+    return cast(torch.nn.Module, copy.module)
 
 
 def _weights(module: torch.nn.Module | None) -> dict[str, torch.Tensor] | None:
@@ -128,6 +152,7 @@ class DrafterCoTrainCallback(Callback):
         self._listening_to: RolloutDataModule | DrafterHost | None = None
         self._trainer: pl.Trainer | None = None
         self._pending_state: dict[str, Any] | None = None
+        self._shares_copy = False  # the drafter reads the engine's gathered copy (a sharded policy)
         self.last_metrics: dict[str, float] = {}
         """What `on_train_batch_end` logged last."""
         self.evaluations: list[tuple[int, float, float]] = []
@@ -150,19 +175,26 @@ class DrafterCoTrainCallback(Callback):
         return self.stalls.step_log
 
     # ------------------------------------------------------------------ setup
-    def setup_drafter(self, policy: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> EagleDrafter:
+    def setup_drafter(
+        self, policy: torch.nn.Module, compute_dtype: torch.dtype | None = None, shared: torch.nn.Module | None = None
+    ) -> EagleDrafter:
         """Build (or take) the drafter for ``policy`` and its trainer; apply a pending resume.
 
         ``compute_dtype``: what the drafter's step computes in (autocast) and the buffer stores
         features in; ``None``: the policy's dtype. `on_fit_start` passes the Trainer's half
         precision (``bf16-mixed``: float32 master weights, bf16 compute, as the policy's own update).
+        ``shared``: the model whose embedding and LM head the drafter reads, when not ``policy``'s own
+        (a sharded policy's: the engine's gathered copy, `shared_weights`); the drafter's own weights
+        are in ``policy``'s dtype either way.
         """
         cfg = self.config
         if self.drafter is None:
             generator = torch.Generator().manual_seed(cfg.seed)
+            dtype = next(policy.parameters()).dtype
             self.drafter = EagleDrafter.from_target(
-                unwrap_model(policy), feature_layers=cfg.feature_layers, generator=generator
-            )
+                unwrap_model(shared if shared is not None else policy), feature_layers=cfg.feature_layers,
+                generator=generator, dtype=dtype,
+            )  # fmt: skip
         if self.drafter.feature_layers is not None:
             raise ValueError(
                 f"co-training harvests the policy's last hidden state only (EAGLE-1); an EAGLE-3 drafter "
@@ -189,9 +221,12 @@ class DrafterCoTrainCallback(Callback):
                 f"DrafterCoTrainCallback needs a LightningModule that hands over the policy's features "
                 f"(lightning_tlt.rl.common.PolicyFeatureSource, e.g. GRPOModule), got {type(pl_module).__name__}"
             )
-        drafter = self.setup_drafter(cast(torch.nn.Module, pl_module.policy), mixed_precision_dtype(trainer.precision))
-        pl_module.request_policy_features(True)
+        policy = cast(torch.nn.Module, pl_module.policy)
         engine = self.engine(trainer)
+        shared = shared_weights(policy, engine)
+        self._shares_copy = shared is not None
+        drafter = self.setup_drafter(policy, mixed_precision_dtype(trainer.precision), shared)
+        pl_module.request_policy_features(True)
         if not self._warm_started and self.config.warm_start == "sft":
             self._warm_start_sft(trainer, cast(torch.nn.Module, pl_module.policy))
         if self.published is not None:  # resumed: the engine drafts with what it drafted with
@@ -354,6 +389,8 @@ class DrafterCoTrainCallback(Callback):
         if self._warm_started and (self.rl_steps == 1 or self.rl_steps % self.config.eval_every_n_steps == 0):
             learner.evaluate(self.published, self.heldout_plans())
             self._last_eval_step = self.rl_steps
+            if self._shares_copy:  # it reads the engine's copy, which the next rollout's gather overwrites first
+                learner.wait()
         self._log(pl_module, engine, heldout, published, stats)
 
     def _harvest(self, pl_module: pl.LightningModule) -> None:
@@ -439,6 +476,13 @@ class DrafterCoTrainCallback(Callback):
     # ------------------------------------------------------------------ checkpointing
     @override
     def state_dict(self) -> dict[str, Any]:
+        """This rank's drafter, optimizer, buffer and counters, and on rank 0 every rank's (each harvested
+        its own rollouts and trained in its own stalls: `lightning_tlt.core.rank_state`). A collective under
+        several ranks: every rank calls it, as Lightning's checkpoint does."""
+        world = self._trainer.world_size if self._trainer is not None else 1
+        return gather_rank_states(self._local_state(), world)
+
+    def _local_state(self) -> dict[str, Any]:
         if self.drafter is None or self.learner is None:
             return dict(self._pending_state or {})
         self.learner.wait()  # the weights read below are those after every queued step
@@ -471,6 +515,8 @@ class DrafterCoTrainCallback(Callback):
                 f"this version reads format {STATE_FORMAT} only; resume with the version that wrote it, or drop "
                 "the callback's entry from the checkpoint to start the drafter afresh"
             )
+        rank = self._trainer.global_rank if self._trainer is not None else current_rank()
+        state_dict = rank_state(state_dict, rank, "DrafterCoTrainCallback")  # this rank's own
         # Lightning restores callbacks before on_fit_start builds the drafter and its trainer
         if self.drafter is not None and self.learner is not None:
             self._restore(state_dict)

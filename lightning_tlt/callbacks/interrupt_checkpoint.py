@@ -46,6 +46,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_tlt.core.checksums import CheckpointCorruptError
+from lightning_tlt.core.rank_state import saving_alone
 
 SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM}
 """The signals handled, by name."""
@@ -194,7 +195,8 @@ class InterruptCheckpoint(Callback):
         failing too): each rank holds the whole model, so it writes ``on_exception-rank{R}.ckpt`` itself."""
         path = self._dir(trainer) / f"{Path(self.EXCEPTION_NAME).stem}-rank{trainer.global_rank}.ckpt"
         # the Trainer's dump, as save_checkpoint makes it, but written by this rank (no barrier, no rank-0 filter)
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        with saving_alone():  # the rank-local states are this rank's only: the others do not join
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         trainer.strategy.checkpoint_io.save_checkpoint(checkpoint, path)
         self.saved_path = path
         return path

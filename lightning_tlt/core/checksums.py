@@ -21,8 +21,13 @@ from typing import Any
 
 import torch
 
+from lightning_tlt.core.sharding import is_dtensor
+
 __all__ = ["CHECKSUMS_KEY", "CheckpointCorruptError", "add_checksums", "load_checkpoint", "tensor_checksums",
            "verify_checksums"]
+
+SHARDED_METADATA = "meta.pt"
+"""What a sharded checkpoint's directory holds besides the shards (Lightning's ``_METADATA_FILENAME``)."""
 
 CHECKSUMS_KEY = "lightning_tlt_checksums"
 """Where a checkpoint dict holds its tensors' checksums: ``{"algorithm": "crc32", "tensors": {path: crc}}``."""
@@ -65,8 +70,25 @@ def tensor_checksums(checkpoint: Mapping[str, Any]) -> dict[str, int]:
 
 
 def add_checksums(checkpoint: dict[str, Any]) -> None:
-    """Store the checksums of every tensor of ``checkpoint`` in it, under `CHECKSUMS_KEY`."""
-    checkpoint[CHECKSUMS_KEY] = {"algorithm": "crc32", "tensors": tensor_checksums(checkpoint)}
+    """Store the checksums of every tensor of ``checkpoint`` in it, under `CHECKSUMS_KEY`.
+
+    A top-level entry that holds a sharded tensor (``DTensor``: the ``state_dict`` and
+    ``optimizer_states`` of an FSDP2 policy) is left out: Lightning's distributed checkpoint writes it
+    through ``torch.distributed.checkpoint``, one file per rank beside the checkpoint's metadata, not into
+    the file these checksums are checked against.
+    """
+    kept = {key: value for key, value in checkpoint.items() if not _holds_sharded(value)}
+    checkpoint[CHECKSUMS_KEY] = {"algorithm": "crc32", "tensors": tensor_checksums(kept)}
+
+
+def _holds_sharded(node: Any) -> bool:
+    if isinstance(node, torch.Tensor):
+        return is_dtensor(node)
+    if isinstance(node, Mapping):
+        return any(_holds_sharded(v) for v in node.values())
+    if isinstance(node, (list, tuple)):
+        return any(_holds_sharded(v) for v in node)
+    return False
 
 
 def verify_checksums(checkpoint: Mapping[str, Any], source: str | os.PathLike[str]) -> int:
@@ -105,12 +127,23 @@ def verify_checksums(checkpoint: Mapping[str, Any], source: str | os.PathLike[st
 def load_checkpoint(path: str | os.PathLike[str], *, verify: bool = True) -> dict[str, Any]:
     """Load a checkpoint onto the CPU (memory-mapped where the format allows) and check its checksums.
 
+    A sharded checkpoint (Lightning's distributed checkpoint of an FSDP2 policy: a directory of one
+    ``torch.distributed.checkpoint`` file per rank, ``.metadata`` and ``meta.pt``) gives its ``meta.pt``:
+    everything but the sharded weights and optimizer states, which the strategy loads itself.
+
     Raises:
-        FileNotFoundError: no file at ``path``.
+        FileNotFoundError: no file at ``path`` (nor a sharded checkpoint's directory).
         CheckpointCorruptError: the file is empty, truncated or not a readable checkpoint, or a tensor
             fails its checksum (`verify_checksums`); one line naming the file.
     """
     path = Path(path)
+    if path.is_dir():
+        if not (path / SHARDED_METADATA).is_file() or not (path / ".metadata").is_file():
+            raise CheckpointCorruptError(
+                f"{path}: a directory, but not a complete sharded checkpoint (it needs {SHARDED_METADATA} and "
+                ".metadata beside one .distcp file per rank); resume from another checkpoint"
+            )
+        path = path / SHARDED_METADATA
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {str(path)!r}")
     if path.stat().st_size == 0:

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
+from lightning_tlt.core.rank_state import gather_rank_states, rank_state
 from lightning_tlt.core.types import (
     DrafterHost,
     RolloutBackend,
@@ -567,6 +568,12 @@ class RolloutDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:
+        """The position, the sampling generator and the engine's adaptive state: this rank's, and on rank 0
+        every rank's (`lightning_tlt.core.rank_state`: each rank samples its own stream, so each resumes
+        its own). A collective under several ranks: every rank calls it, as Lightning's checkpoint does."""
+        return gather_rank_states(self._local_state(), self._rank_world()[1])
+
+    def _local_state(self) -> dict[str, Any]:
         return {
             "epoch": self._epoch,
             "index": self._index,
@@ -580,6 +587,7 @@ class RolloutDataModule(pl.LightningDataModule):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = rank_state(state_dict, self._rank_world()[0], "RolloutDataModule")
         self._epoch, self._index = int(state_dict["epoch"]), int(state_dict["index"])
         self._rl_step, self._num_tokens = int(state_dict["rl_step"]), int(state_dict["num_tokens"])
         self._generator_state = state_dict["generator"]

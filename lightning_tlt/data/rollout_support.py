@@ -151,6 +151,8 @@ def engine_metrics(stats: dict[str, float]) -> dict[str, float]:
     engine's other ``spec/*`` figures pass through (per-position acceptance rates excepted).
     ``rollout/compile_s``, ``rollout/capture_s`` and ``rollout/graph_captures``: only in a call that
     compiled a step function or captured a CUDA graph (each is done once, on first use).
+    ``rollout/gather_time_s``, ``rollout/gather_mib``, ``rollout/gather_buffer_mib`` and (CUDA)
+    ``rollout/gather_peak_mib``: only when a sharded policy was gathered into the engine's copy.
     """
     m: dict[str, float] = {}
     for key, name in (("tokens_per_s", "rollout/tokens_per_s"), ("wall_time_s", "rollout/time_s"),
@@ -162,6 +164,12 @@ def engine_metrics(stats: dict[str, float]) -> dict[str, float]:
         for key, name in (("compile/compile_s", "rollout/compile_s"), ("compile/capture_s", "rollout/capture_s"),
                           ("compile/captures", "rollout/graph_captures")):
             m[name] = float(stats.get(key, 0.0))
+    if "gather/time_s" in stats:  # a sharded policy gathered into the engine's copy (rollout/inference_copy.py)
+        m["rollout/gather_time_s"] = float(stats["gather/time_s"])
+        m["rollout/gather_mib"] = float(stats["gather/bytes"]) / 2**20
+        m["rollout/gather_buffer_mib"] = float(stats["gather/buffer_bytes"]) / 2**20
+        if "gather/peak_bytes" in stats:
+            m["rollout/gather_peak_mib"] = float(stats["gather/peak_bytes"]) / 2**20
     decode, spec = stats.get("steps_decode", 0.0), stats.get("steps_speculative", 0.0)
     share = stats.get("spec/speculative_step_share", spec / (decode + spec) if decode + spec > 0 else 0.0)
     m["spec/fraction"] = float(share)

@@ -123,6 +123,7 @@ class EagleDrafter(nn.Module):
         rope_scaling: the target's RoPE ``attention_scaling``.
         feature_layers: EAGLE-3's three HF ``hidden_states`` indices, or ``None`` for EAGLE-1.
         generator: initialisation randomness (``None``: torch's default generator, like ``nn.Linear``).
+        dtype: of the drafter's own weights; ``None``: the shared embedding's.
     """
 
     name: str = "eagle"
@@ -141,6 +142,7 @@ class EagleDrafter(nn.Module):
         rope_scaling: float = 1.0,
         feature_layers: Sequence[int] | None = None,
         generator: torch.Generator | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if config.num_hidden_layers != 1:
@@ -166,7 +168,7 @@ class EagleDrafter(nn.Module):
         self.rope_scaling = float(rope_scaling)
         self._init_weights(generator)
         weight: Tensor = embed_tokens.weight  # type: ignore[assignment]
-        self.to(device=weight.device, dtype=weight.dtype)
+        self.to(device=weight.device, dtype=dtype or weight.dtype)
         self.inv_freq = self.inv_freq.float()
 
     def _init_weights(self, generator: torch.Generator | None) -> None:
@@ -186,14 +188,17 @@ class EagleDrafter(nn.Module):
         *,
         feature_layers: Sequence[int] | None = None,
         generator: torch.Generator | None = None,
+        dtype: torch.dtype | None = None,
     ) -> EagleDrafter:
         """A cold drafter for an HF Llama / Qwen2 / Qwen3 policy, sharing its embedding and LM head.
 
         Args:
-            model: the policy (DDP-style ``.module`` wrappers are unwrapped).
+            model: the policy (DDP-style ``.module`` wrappers are unwrapped), or the whole copy of a
+                sharded one whose embedding and head the drafter reads (the engine's inference copy).
             feature_layers: EAGLE-3's three HF ``hidden_states`` indices (e.g.
                 `default_eagle3_layers`), or ``None`` for EAGLE-1 (the last hidden state).
             generator: initialisation randomness.
+            dtype: of the drafter's own weights; ``None``: the policy's.
         """
         hf: Any = unwrap_model(model)  # an HF causal LM: attributes typed loosely on purpose
         target = hf.config
@@ -212,6 +217,7 @@ class EagleDrafter(nn.Module):
             float(getattr(rotary, "attention_scaling", 1.0)),
             feature_layers,
             generator,
+            dtype,
         )
 
     @classmethod

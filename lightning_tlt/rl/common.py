@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol, cast, runtime_checkable
 
@@ -23,10 +24,12 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_tlt.core.checksums import add_checksums, verify_checksums
+from lightning_tlt.core.sharding import is_dtensor, local_tensor
 from lightning_tlt.core.types import DTYPES
 from lightning_tlt.rl.attention import training_attention
 from lightning_tlt.rl.batch import RolloutBatch
 from lightning_tlt.rl.config import OptimConfig
+from lightning_tlt.rl.fsdp import check_sharded_training, check_strategy, shard_module
 from lightning_tlt.rl.progress_bar import optimizer_step_bar
 from lightning_tlt.rl.warmstart import WarmStartConfig
 
@@ -206,13 +209,32 @@ class PolicyForward:
     """``(B, P + C, H)`` final hidden states, when asked for."""
 
 
-def gradient_norm(optimizer: Any) -> Tensor | None:
-    """The L2 norm of all gradients ``optimizer`` holds, in float32 (``None`` when it holds none)."""
+def gradient_norm(optimizer: Any, sum_across_ranks: Callable[[Tensor], Tensor] | None = None) -> Tensor | None:
+    """The L2 norm of all gradients ``optimizer`` holds, in float32 (``None`` when it holds none).
+
+    Sharded gradients (FSDP2 ``DTensor`` s) are normed from this rank's slices, whose squared norms
+    ``sum_across_ranks`` adds up over the ranks: the whole gradient's norm, the same on every rank
+    (NaN on every rank when any slice is not finite).
+    """
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if not grads:
         return None
-    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
-    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    sharded = sum_across_ranks is not None and any(is_dtensor(g) for g in grads)
+    norms = [torch.linalg.vector_norm(local_tensor(g) if sharded else g, dtype=torch.float32) for g in grads]
+    norm = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    if sharded:
+        assert sum_across_ranks is not None
+        norm = sum_across_ranks(norm.square()).sqrt()
+    return norm
+
+
+@torch.no_grad()
+def clip_sharded_gradients(optimizer: Any, max_norm: float, norm: Tensor) -> None:
+    """Scale sharded gradients by ``max_norm / norm`` when above it, as ``clip_grad_norm_`` would (with
+    its 1e-6), from the norm `gradient_norm` computed already: no second reduction."""
+    grads = [local_tensor(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    torch._foreach_mul_(grads, coef.to(grads[0].device))
 
 
 def completion_forward(
@@ -246,8 +268,11 @@ def completion_forward(
     # (B, C, V) float32 copies are the largest tensors of a step (4 rows x 4,096 tokens x 151,936 is
     # 10 GB each): one float copy divided in place, and the entropy a row at a time
     logits = raw[:, :-1, :].float()
+    # a float32 model's logits are a view of its output (.float() copies nothing): dividing that in place would
+    # drop the pre-backward hook FSDP2 registers on the output of a sharded policy
+    logits = logits.div_(temperature) if logits.dtype != raw.dtype else logits / temperature
     del raw
-    logp_all = torch.log_softmax(logits.div_(temperature), dim=-1)
+    logp_all = torch.log_softmax(logits, dim=-1)
     del logits
     logps = logp_all.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)  # (B, C)
     with torch.no_grad():
@@ -285,6 +310,8 @@ class RLModule(pl.LightningModule):
         gradient is not finite, to say which micro-batches were)."""
         self._features_requested = False
         self._policy_features = None
+        self._sharded = False
+        """Whether `configure_model` sharded the models (FSDP2): gradients are then ``DTensor`` slices."""
 
     # ------------------------------------------------------------------ PolicyFeatureSource
     def request_policy_features(self, enabled: bool = True) -> None:
@@ -341,6 +368,27 @@ class RLModule(pl.LightningModule):
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.policy.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------ sharding (FSDP)
+    def models_to_shard(self) -> list[nn.Module]:
+        """The modules `configure_model` shards under ``ModelParallelStrategy``: the policy, and the
+        reference model when there is one (a subclass adds its own: PPO's value model and head)."""
+        ref = getattr(self, "ref_model", None)
+        return [self.policy] + ([ref] if ref is not None else [])
+
+    @override
+    def configure_model(self) -> None:
+        """Shard the models with FSDP2 under ``ModelParallelStrategy`` (`lightning_tlt.rl.fsdp`): the
+        Lightning way, once the device mesh exists and before the optimizer is made; nothing under any
+        other strategy (``FSDPStrategy`` is refused, with what to use instead)."""
+        trainer = self._trainer
+        mesh = check_strategy(trainer) if trainer is not None else None
+        if mesh is None:
+            return
+        for module in self.models_to_shard():
+            shard_module(module, mesh)
+        check_sharded_training(self.trainable_parameters(), self)
+        self._sharded = True
 
     @override
     def configure_optimizers(self) -> Any:
@@ -400,9 +448,9 @@ class RLModule(pl.LightningModule):
         optimizer = self._optimizer()
         self._applied_lr = float(optimizer.param_groups[0]["lr"])
         guarded = getattr(self.trainer.precision_plugin, "scaler", None) is None if self._trainer else True
-        norm = gradient_norm(optimizer) if guarded else None
+        norm = gradient_norm(optimizer, self._sum_across_ranks if self._sharded else None) if guarded else None
         if norm is not None:
-            norm = self._agree_norm(norm)
+            norm = norm if self._sharded else self._agree_norm(norm)  # a sharded norm is every rank's already
             self._grad_norm = float(norm)  # one host sync per optimizer step
         if norm is not None and not math.isfinite(self._grad_norm):
             optimizer.zero_grad(set_to_none=True)
@@ -427,7 +475,9 @@ class RLModule(pl.LightningModule):
             rank_zero_warn(message)
         else:
             self._nonfinite_in_a_row = 0
-            if self.config.max_grad_norm > 0:
+            if self.config.max_grad_norm > 0 and self._sharded and norm is not None:
+                clip_sharded_gradients(optimizer, self.config.max_grad_norm, norm)
+            elif self.config.max_grad_norm > 0:
                 self.clip_gradients(optimizer, gradient_clip_val=self.config.max_grad_norm, gradient_clip_algorithm="norm")
         self._micro_losses = []
         # a skipped step still steps, with no gradient (AdamW leaves such parameters and their state
@@ -436,6 +486,9 @@ class RLModule(pl.LightningModule):
         scheduler: Any = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
+
+    def _sum_across_ranks(self, value: Tensor) -> Tensor:
+        return cast(Tensor, self.trainer.strategy.reduce(value, reduce_op="sum"))
 
     def _agree_norm(self, norm: Tensor) -> Tensor:
         """This rank's gradient norm, made NaN when any rank's is not finite: ranks must skip a step

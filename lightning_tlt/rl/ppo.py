@@ -105,6 +105,11 @@ class PPOModule(RLModule):
         return params
 
     @override
+    def models_to_shard(self) -> list[nn.Module]:
+        extra = [self.value_head] + ([self.value_model] if self.value_model is not None else [])
+        return super().models_to_shard() + extra
+
+    @override
     def on_fit_start(self) -> None:
         super().on_fit_start()
         if self.value_model is not None:

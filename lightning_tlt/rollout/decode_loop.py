@@ -352,6 +352,8 @@ class DecodeLoop(StepRunner):
                 stats.update(self._tuner.summary())
         if self._graphs is not None and self._graphs.enabled:
             stats.update({f"graphs_{k}": float(v) for k, v in self._graphs.stats.as_dict().items()})
+        if self._copy is not None:  # a sharded policy's gather into the copy, this call's (`InferenceCopy.stats`)
+            stats.update(self._copy.stats)
         self.last_stats = stats
         return RolloutOutput(
             prompt_ids=[list(r.prompt) for r in requests],

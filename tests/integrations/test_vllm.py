@@ -381,6 +381,44 @@ class TestPlainEngine:
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (its tests run in .ci/run-vllm's venv)")
+def test_a_sharded_policy_reaches_vllm_through_its_weight_loading(tmp_path: Path) -> None:
+    """FSDP2 on one rank (gloo): vLLM starts from the config on dummy weights, the gathered policy is pushed at
+    once and after an optimizer step on the shards; greedy rollouts are the unsharded twin's, token for token."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_tlt.integrations.vllm import VLLMRolloutEngine
+    from lightning_tlt.rl.fsdp import shard_module
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        policy = build_model("qwen2", "tiny", seed=0)
+        twin = copy.deepcopy(policy)
+        shard_module(policy, init_device_mesh("cpu", (1,)))
+        engine = VLLMRolloutEngine(policy, build_tokenizer(), **ENGINE_KW)
+        try:
+            assert not list(Path(engine.model_path).glob("*.safetensors"))  # the config only: no rank has it whole
+            assert engine.policy_version == 1  # the gathered weights, pushed before the first rollout
+            assert engine.generate(PROMPTS, GREEDY).completion_ids == hf_greedy(twin, PROMPTS, 16)
+            new = build_model("qwen2", "tiny", seed=2)
+            for model in (policy, twin):  # one SGD step of lr 1 lands exactly on `new`, shards and twin alike
+                optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+                for p, q in zip(model.parameters(), new.parameters()):
+                    p.grad = p.detach() - (q.detach() if not hasattr(p, "device_mesh") else
+                                           torch.distributed.tensor.distribute_tensor(q.detach(), p.device_mesh,
+                                                                                     p.placements))  # fmt: skip
+                optimizer.step()
+            after = engine.generate(PROMPTS, GREEDY)  # auto_sync: the shards moved, the gather is pushed
+            assert after.stats["policy_version"] == 2.0
+            assert after.completion_ids == hf_greedy(twin, PROMPTS, 16) == hf_greedy(new, PROMPTS, 16)
+        finally:
+            engine.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed (its tests run in .ci/run-vllm's venv)")
 class TestEagleEngine:
     @pytest.fixture(scope="class")
     def engine(self, policy: PreTrainedModel, tmp_path_factory: pytest.TempPathFactory):
