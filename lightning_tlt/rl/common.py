@@ -26,7 +26,8 @@ from lightning_tlt.core.checksums import add_checksums, verify_checksums
 from lightning_tlt.core.types import DTYPES
 from lightning_tlt.rl.attention import training_attention
 from lightning_tlt.rl.batch import RolloutBatch
-from lightning_tlt.rl.config import OptimConfig
+from lightning_tlt.rl.config import DEFAULT_LOGPROB_CHUNK_TOKENS, OptimConfig
+from lightning_tlt.rl.logprobs import check_chunk_tokens, chunked_token_logprobs, plain_lm_head
 from lightning_tlt.rl.progress_bar import optimizer_step_bar
 from lightning_tlt.rl.warmstart import WarmStartConfig
 
@@ -222,6 +223,7 @@ def completion_forward(
     temperature: float,
     output_hidden_states: bool = False,
     cudnn_attention: bool = False,
+    logprob_chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS,
 ) -> PolicyForward:
     """Log-probabilities and entropies of the batch's completion tokens under ``model``.
 
@@ -229,17 +231,38 @@ def completion_forward(
     of the last ``C + 1`` positions, divided by the sampling temperature, the last one dropped.
     Positions skip the left padding, as in the engine. Attention avoids cuDNN's kernels unless
     ``cudnn_attention`` (`training_attention`).
+
+    When ``logprob_chunk_tokens`` > 0 and the model's logits are its output embedding applied to its
+    decoder's last hidden state (`plain_lm_head`), the head is applied here, that many tokens at a
+    time (`chunked_token_logprobs`): the ``(B, C, V)`` logits never exist, forward or backward.
+    Other models, and 0, take the full path (the same numbers, up to float rounding).
     """
-    c = batch.completion_ids.shape[1]
+    check_chunk_tokens(logprob_chunk_tokens, "logprob_chunk_tokens", off_allowed=True)
+    parts = plain_lm_head(model) if logprob_chunk_tokens else None
+    if isinstance(parts, str):
+        rank_zero_warn(f"logprob_chunk_tokens={logprob_chunk_tokens} ignored for {type(model).__name__}: {parts}")
     with training_attention(cudnn_attention):
-        out = model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
-            logits_to_keep=c + 1,
-            output_hidden_states=output_hidden_states,
-            use_cache=False,
-        )
+        if isinstance(parts, tuple):
+            return _chunked_completion_forward(
+                *parts, batch, temperature=temperature, output_hidden_states=output_hidden_states,
+                chunk_tokens=logprob_chunk_tokens,
+            )
+        return _full_completion_forward(model, batch, temperature=temperature, output_hidden_states=output_hidden_states)
+
+
+def _full_completion_forward(
+    model: nn.Module, batch: RolloutBatch, *, temperature: float, output_hidden_states: bool
+) -> PolicyForward:
+    """`completion_forward` through the model's own ``(B, C, V)`` logits."""
+    c = batch.completion_ids.shape[1]
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        logits_to_keep=c + 1,
+        output_hidden_states=output_hidden_states,
+        use_cache=False,
+    )
     hidden = out.hidden_states[-1] if output_hidden_states else None
     raw = out.logits
     del out
@@ -253,6 +276,28 @@ def completion_forward(
     with torch.no_grad():
         entropies = torch.cat([-(row.exp() * row).sum(-1) for row in logp_all.detach().split(1)])  # (B, C)
     return PolicyForward(logps=logps, entropies=entropies, hidden_states=hidden)
+
+
+def _chunked_completion_forward(
+    decoder: nn.Module, head: nn.Linear, batch: RolloutBatch, *, temperature: float, output_hidden_states: bool,
+    chunk_tokens: int,
+) -> PolicyForward:
+    """`completion_forward` through the decoder's last hidden state and `chunked_token_logprobs`."""
+    b, c = batch.completion_ids.shape
+    out = decoder(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        output_hidden_states=output_hidden_states,
+        use_cache=False,
+    )
+    hidden = out.hidden_states[-1] if output_hidden_states else None  # the same tensor as the full path's
+    last = out.last_hidden_state[:, -(c + 1) : -1, :]  # (B, C, H): the positions predicting the completion
+    logps, entropies = chunked_token_logprobs(
+        last.reshape(b * c, -1), head.weight, batch.completion_ids.reshape(-1),
+        temperature=temperature, chunk_tokens=chunk_tokens, bias=head.bias,
+    )
+    return PolicyForward(logps=logps.view(b, c), entropies=entropies.view(b, c), hidden_states=hidden)
 
 
 class RLModule(pl.LightningModule):
