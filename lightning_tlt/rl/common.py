@@ -2,8 +2,8 @@
 
 The modules only orchestrate: losses and advantages are pure functions (`lightning_tlt.rl.losses`,
 `lightning_tlt.rl.advantages`); this file holds the plumbing both need: building the policy from
-a small typed spec (so LightningCLI can describe it in YAML), per-token log-probabilities of the
-completions (TRL's ``_get_per_token_logps_and_entropies``), AdamW with TRL's linear schedule, and
+a small typed spec (so LightningCLI can describe it in YAML), the policy's forward over a batch
+(`lightning_tlt.rl.forward`, re-exported here), AdamW with TRL's linear schedule, and
 the declared interface through which the drafter co-training callback receives the policy's
 hidden states (`PolicyFeatureSource`, implemented by `RLModule`).
 """
@@ -26,9 +26,10 @@ from typing_extensions import override
 from lightning_tlt.core.checksums import add_checksums, verify_checksums
 from lightning_tlt.core.sharding import is_dtensor, local_tensor
 from lightning_tlt.core.types import DTYPES
-from lightning_tlt.rl.attention import training_attention
 from lightning_tlt.rl.batch import RolloutBatch
 from lightning_tlt.rl.config import OptimConfig
+from lightning_tlt.rl.forward import PolicyForward as PolicyForward
+from lightning_tlt.rl.forward import completion_forward as completion_forward
 from lightning_tlt.rl.fsdp import check_sharded_training, check_strategy, shard_module
 from lightning_tlt.rl.progress_bar import optimizer_step_bar
 from lightning_tlt.rl.warmstart import WarmStartConfig
@@ -197,18 +198,6 @@ class PolicyFeatureSource(Protocol):
         ...
 
 
-@dataclass
-class PolicyForward:
-    """Per-token quantities of the completions from one policy forward."""
-
-    logps: Tensor
-    """``(B, C)`` log-probabilities of the completion tokens (logits divided by the temperature)."""
-    entropies: Tensor
-    """``(B, C)`` detached entropies of those distributions."""
-    hidden_states: Tensor | None = None
-    """``(B, P + C, H)`` final hidden states, when asked for."""
-
-
 def gradient_norm(optimizer: Any, sum_across_ranks: Callable[[Tensor], Tensor] | None = None) -> Tensor | None:
     """The L2 norm of all gradients ``optimizer`` holds, in float32 (``None`` when it holds none).
 
@@ -235,49 +224,6 @@ def clip_sharded_gradients(optimizer: Any, max_norm: float, norm: Tensor) -> Non
     grads = [local_tensor(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     torch._foreach_mul_(grads, coef.to(grads[0].device))
-
-
-def completion_forward(
-    model: nn.Module,
-    batch: RolloutBatch,
-    *,
-    temperature: float,
-    output_hidden_states: bool = False,
-    cudnn_attention: bool = False,
-) -> PolicyForward:
-    """Log-probabilities and entropies of the batch's completion tokens under ``model``.
-
-    As TRL's ``_get_per_token_logps_and_entropies``: one forward over prompt + completion, logits
-    of the last ``C + 1`` positions, divided by the sampling temperature, the last one dropped.
-    Positions skip the left padding, as in the engine. Attention avoids cuDNN's kernels unless
-    ``cudnn_attention`` (`training_attention`).
-    """
-    c = batch.completion_ids.shape[1]
-    with training_attention(cudnn_attention):
-        out = model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=batch.position_ids,
-            logits_to_keep=c + 1,
-            output_hidden_states=output_hidden_states,
-            use_cache=False,
-        )
-    hidden = out.hidden_states[-1] if output_hidden_states else None
-    raw = out.logits
-    del out
-    # (B, C, V) float32 copies are the largest tensors of a step (4 rows x 4,096 tokens x 151,936 is
-    # 10 GB each): one float copy divided in place, and the entropy a row at a time
-    logits = raw[:, :-1, :].float()
-    # a float32 model's logits are a view of its output (.float() copies nothing): dividing that in place would
-    # drop the pre-backward hook FSDP2 registers on the output of a sharded policy
-    logits = logits.div_(temperature) if logits.dtype != raw.dtype else logits / temperature
-    del raw
-    logp_all = torch.log_softmax(logits, dim=-1)
-    del logits
-    logps = logp_all.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)  # (B, C)
-    with torch.no_grad():
-        entropies = torch.cat([-(row.exp() * row).sum(-1) for row in logp_all.detach().split(1)])  # (B, C)
-    return PolicyForward(logps=logps, entropies=entropies, hidden_states=hidden)
 
 
 class RLModule(pl.LightningModule):

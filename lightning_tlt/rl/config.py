@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from lightning_tlt.core.types import SamplingConfig
 from lightning_tlt.rl.advantages import normalize_scale_rewards
+from lightning_tlt.rl.logprobs import check_chunk_tokens
 from lightning_tlt.rl.losses import LOSS_AGGREGATIONS
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
@@ -21,6 +22,9 @@ ScaleRewards = Literal["group", "batch", "none"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k3"]
 SchedulerType = Literal["linear", "constant"]
+
+DEFAULT_LOGPROB_CHUNK_TOKENS = 4096
+"""Default `OptimConfig.logprob_chunk_tokens`: 4,096 rows of Qwen2's 151,936 logits are 2.5 GB in float32."""
 
 
 
@@ -65,6 +69,12 @@ class OptimConfig:
     (pytorch/pytorch#196678, met through Qwen2.5-0.5B's attention sinks; it is what TRL's DPO hit).
     The 0.5 B e2e run on the H200 had one such update in 40; FlashAttention, memory-efficient
     attention and the math kernel remain."""
+    logprob_chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS
+    """The kit's: tokens per chunk when the training forward applies the LM head itself
+    (`lightning_tlt.rl.logprobs.chunked_token_logprobs`), so that no more than this many rows of
+    ``(tokens, vocabulary)`` logits exist at once, forward or backward, instead of about four float32
+    copies of the whole micro-batch's. Used for Qwen2/Qwen3/Llama/Mistral-style models whose logits are
+    the output embedding of the last hidden state; other models take the full path. 0: always the full path."""
 
     def _validate_optim(self) -> None:
         validate_adamw(self)
@@ -76,6 +86,7 @@ class OptimConfig:
             raise ValueError(f"lr_scheduler_type must be 'linear' or 'constant', got {self.lr_scheduler_type!r}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
+        check_chunk_tokens(self.logprob_chunk_tokens, "logprob_chunk_tokens", off_allowed=True)
         if self.max_consecutive_nonfinite_steps < 0:
             raise ValueError(
                 f"max_consecutive_nonfinite_steps must be >= 0 (0 stops at the first), "

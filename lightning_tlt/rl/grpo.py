@@ -115,7 +115,7 @@ class GRPOModule(RLModule):
         """
         cfg = self.config
         fwd = completion_forward(self.policy, batch, temperature=cfg.temperature, output_hidden_states=harvest,
-                                 cudnn_attention=cfg.cudnn_attention)
+                                 cudnn_attention=cfg.cudnn_attention, logprob_chunk_tokens=cfg.logprob_chunk_tokens)
         if harvest:
             self._store_features(batch, fwd.hidden_states)
         mask = self.loss_mask(batch)
@@ -171,7 +171,8 @@ class GRPOModule(RLModule):
             with torch.no_grad():
                 ref_logps = [
                     completion_forward(self.ref_model, c, temperature=self.config.temperature,
-                                       cudnn_attention=self.config.cudnn_attention).logps
+                                       cudnn_attention=self.config.cudnn_attention,
+                                       logprob_chunk_tokens=self.config.logprob_chunk_tokens).logps
                     for c in chunks
                 ]
         old_logps: list[Tensor | None] = [None] * len(chunks)  # the first pass is on-policy

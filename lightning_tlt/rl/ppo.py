@@ -121,7 +121,7 @@ class PPOModule(RLModule):
         shared = self.value_model is None
         fwd = completion_forward(
             self.policy, batch, temperature=self.config.temperature, output_hidden_states=shared or harvest,
-            cudnn_attention=self.config.cudnn_attention,
+            cudnn_attention=self.config.cudnn_attention, logprob_chunk_tokens=self.config.logprob_chunk_tokens,
         )
         if harvest:
             self._store_features(batch, fwd.hidden_states)
@@ -149,7 +149,8 @@ class PPOModule(RLModule):
             ref_logps = old_logps
             if self.ref_model is not None:
                 ref_logps = completion_forward(
-                    self.ref_model, batch, temperature=cfg.temperature, cudnn_attention=cfg.cudnn_attention
+                    self.ref_model, batch, temperature=cfg.temperature, cudnn_attention=cfg.cudnn_attention,
+                    logprob_chunk_tokens=cfg.logprob_chunk_tokens,
                 ).logps
             scores = torch.nan_to_num(batch.rewards.float(), nan=0.0)
             if cfg.missing_eos_penalty is not None:
