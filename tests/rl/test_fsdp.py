@@ -146,10 +146,12 @@ def main(out: str, algo: str, kind: str, precision: str, steps: str, ckpt_dir: s
     largest = max(p.numel() * p.element_size() for p in policy.parameters())
     callbacks: list[Callback] = []
     cotrain: DrafterCoTrainCallback | None = None
+    # one log-prob path on both sides (a sharded policy takes the full one: FSDP2's hooks on its head), so that
+    # only the sharding differs: the chunked path sums in another order (its own parity is test_logprobs.py)
     if algo == "grpo":
         module: GRPOModule | PPOModule = GRPOModule(
             policy, GRPOConfig(num_generations=4, max_completion_length=10, learning_rate=1e-2,
-                               lr_scheduler_type="constant"),
+                               lr_scheduler_type="constant", logprob_chunk_tokens=0),
         )  # fmt: skip
         speculative = SpeculativeConfig(method="eagle", threshold=8, hysteresis_steps=1, num_draft_tokens=3)
         cotrain = DrafterCoTrainCallback(DrafterCoTrainConfig(
@@ -160,7 +162,8 @@ def main(out: str, algo: str, kind: str, precision: str, steps: str, ckpt_dir: s
         callbacks.append(cotrain)
     else:
         module = PPOModule(policy, PPOConfig(response_length=10, learning_rate=1e-2, num_mini_batches=2,
-                                             lr_scheduler_type="constant", kl_coef=0.05))  # fmt: skip
+                                             lr_scheduler_type="constant", kl_coef=0.05,
+                                             logprob_chunk_tokens=0))  # fmt: skip
         speculative = None
     data = RolloutDataModule("arithmetic", [digits], prompts_per_step=2, task_size=32, seed=0, speculative=speculative)
     reports: list[dict[str, Any]] = []
