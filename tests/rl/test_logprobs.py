@@ -231,7 +231,7 @@ def test_grpo_update_is_the_same_with_chunking_on_and_off(tmp_path: Path) -> Non
 
     A large ``adam_epsilon`` keeps Adam from blowing float noise in near-zero gradients up to full-size steps.
     """
-    from tests.rl.test_grpo import Grads, make, trainer
+    from test_grpo import Grads, make, trainer  # a sibling (rootdir-relative imports, as the suite uses)
 
     runs = {}
     for chunk in (0, 5):
