@@ -6,7 +6,13 @@ trains or edits weights should call `lightning_tlt.models.zoo.build_model` for i
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 # Triton's CPU interpreter runs the GPU kernels in the tests; it must be chosen before Triton is imported
 if not os.environ.get("CUDA_VISIBLE_DEVICES"):
@@ -78,3 +84,25 @@ def warm_arithmetic_policy(
     return warm_start(
         WarmStartConfig("arithmetic", "qwen2", "tiny", steps=100, batch_size=8, lr=3e-3, cache_dir=cache, progress=False)
     )
+
+
+TwoRanks = Callable[..., list[Any]]
+
+
+def _run_two_ranks(script: str, out: Path, *args: str, cwd: Path | None = None) -> list[Any]:
+    """Run ``script`` as Lightning's DDP launcher's rank 0 (it starts rank 1 itself) with ``out`` and ``args``;
+    each rank writes ``out/rank<r>.json``: both, parsed. The launcher's environment of an earlier run in this
+    process (``LOCAL_RANK``, ``MASTER_PORT``, ...) is left out, or the script would take itself for a rank."""
+    env = dict(os.environ, WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, script, str(out), *args], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=cwd)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-5000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.fixture(scope="session")
+def two_ranks() -> TwoRanks:
+    """`_run_two_ranks`: a test file that runs itself on two CPU ranks (gloo) and reads what each wrote."""
+    return _run_two_ranks

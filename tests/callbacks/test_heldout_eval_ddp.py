@@ -8,25 +8,21 @@ its history to JSON. Five prompts: rank 1's shard is one shorter, padded for the
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:  # the files also run as scripts, where conftest is not on the path
+    from conftest import TwoRanks
 
 PROMPTS = 5
 
 
 @pytest.mark.slow
-def test_two_ranks_gather_the_figures_of_one_process(tmp_path: Path) -> None:
-    env = dict(os.environ, WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+def test_two_ranks_gather_the_figures_of_one_process(tmp_path: Path, two_ranks: TwoRanks) -> None:
+    r0, r1 = two_ranks(__file__, tmp_path)
     assert r0["world_size"] == r1["world_size"] == 2
     def figures(history: list[dict[str, float]]) -> list[dict[str, float]]:  # less each rank's own seconds
         return [{k: v for k, v in h.items() if k != "eval/seconds"} for h in history]

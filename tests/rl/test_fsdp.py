@@ -12,37 +12,32 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 
+if TYPE_CHECKING:  # the files also run as scripts, where conftest is not on the path
+    from conftest import TwoRanks
+
 STEPS = 4
 
 
-def launch(tmp_path: Path, name: str, *args: str) -> list[list[dict[str, Any]]]:
+def launch(two_ranks: TwoRanks, tmp_path: Path, name: str, *args: str) -> list[list[dict[str, Any]]]:
     """Run this file on two ranks; every rank's reports, by step."""
     out = tmp_path / name
     out.mkdir()
-    env = dict(os.environ, WANDB_MODE="offline", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run([sys.executable, __file__, str(out), *args], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=tmp_path)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return two_ranks(__file__, out, *args, cwd=tmp_path)
 
 
 @pytest.fixture(scope="module")
-def sharded_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[dict[str, Any]]]]:
+def sharded_run(tmp_path_factory: pytest.TempPathFactory, two_ranks: TwoRanks) -> tuple[Path, list[list[dict[str, Any]]]]:
     """GRPO with the co-trained drafter under bf16-mixed (as configs/grpo_gpu_0.5b_fsdp.yaml): 4 steps, a
     sharded checkpoint at step 2."""
     tmp = tmp_path_factory.mktemp("fsdp")
-    return tmp, launch(tmp, "full", "grpo", "fsdp", "bf16-mixed", str(STEPS), str(tmp / "ckpt"), "-")
+    return tmp, launch(two_ranks, tmp, "full", "grpo", "fsdp", "bf16-mixed", str(STEPS), str(tmp / "ckpt"), "-")
 
 
 def assert_same_weights(mine: dict[str, Any], theirs: dict[str, Any], suffix: str = ".pt") -> None:
@@ -54,11 +49,11 @@ def assert_same_weights(mine: dict[str, Any], theirs: dict[str, Any], suffix: st
 
 
 @pytest.mark.slow
-def test_sharded_grpo_steps_equal_ddp_steps(tmp_path: Path) -> None:
+def test_sharded_grpo_steps_equal_ddp_steps(tmp_path: Path, two_ranks: TwoRanks) -> None:
     """Float32 (32-true), so that Adam's normalised step does not amplify bf16 rounding: the sharded
     run and the DDP run train the same weights and drafter, from the same rollouts, step for step."""
-    fsdp = launch(tmp_path, "fsdp", "grpo", "fsdp", "32-true", "2", "-", "-")
-    ddp = launch(tmp_path, "ddp", "grpo", "ddp", "32-true", "2", "-", "-")
+    fsdp = launch(two_ranks, tmp_path, "fsdp", "grpo", "fsdp", "32-true", "2", "-", "-")
+    ddp = launch(two_ranks, tmp_path, "ddp", "grpo", "ddp", "32-true", "2", "-", "-")
     for rank in (0, 1):
         assert fsdp[rank][0]["sharded"] and fsdp[rank][0]["local_share"] == pytest.approx(0.5, abs=0.01)
         for mine, theirs in zip(fsdp[rank], ddp[rank]):
@@ -90,11 +85,11 @@ def test_bf16_mixed_sharded_grpo_rolls_out_from_the_gather_and_averages_the_draf
 
 
 @pytest.mark.slow
-def test_resuming_the_sharded_checkpoint_continues_exactly_on_every_rank(sharded_run: Any) -> None:
+def test_resuming_the_sharded_checkpoint_continues_exactly_on_every_rank(sharded_run: Any, two_ranks: TwoRanks) -> None:
     tmp, full = sharded_run
     checkpoint = tmp / "ckpt" / "epoch=0-step=2.ckpt"
     assert sorted(p.name for p in checkpoint.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
-    resumed = launch(tmp, "resumed", "grpo", "fsdp", "bf16-mixed", str(STEPS), "-", str(checkpoint))
+    resumed = launch(two_ranks, tmp, "resumed", "grpo", "fsdp", "bf16-mixed", str(STEPS), "-", str(checkpoint))
     for rank in (0, 1):
         assert [r["step"] for r in resumed[rank]] == [3, 4]
         for mine, theirs in zip(resumed[rank], full[rank][2:]):
@@ -103,9 +98,9 @@ def test_resuming_the_sharded_checkpoint_continues_exactly_on_every_rank(sharded
 
 
 @pytest.mark.slow
-def test_sharded_ppo_steps_equal_ddp_steps(tmp_path: Path) -> None:
-    fsdp = launch(tmp_path, "fsdp", "ppo", "fsdp", "32-true", "2", "-", "-")
-    ddp = launch(tmp_path, "ddp", "ppo", "ddp", "32-true", "2", "-", "-")
+def test_sharded_ppo_steps_equal_ddp_steps(tmp_path: Path, two_ranks: TwoRanks) -> None:
+    fsdp = launch(two_ranks, tmp_path, "fsdp", "ppo", "fsdp", "32-true", "2", "-", "-")
+    ddp = launch(two_ranks, tmp_path, "ddp", "ppo", "ddp", "32-true", "2", "-", "-")
     for rank in (0, 1):
         assert fsdp[rank][0]["sharded"]
         for mine, theirs in zip(fsdp[rank], ddp[rank]):
