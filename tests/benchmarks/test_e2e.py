@@ -249,6 +249,13 @@ def test_the_accuracy_verdict_refuses_what_cannot_show_a_loss(e2e: ModuleType) -
     assert judge([run("tlt", [0.1] * 4)], [run("nospec", [0.5, 0.5, 0.6, 0.5])])["verdict"] == "tlt_lower"
 
 
+def run_in_process(code: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``code`` in a Python process of its own (a watchdog ends its process), from the repository root."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
 def test_the_e2e_step_watchdog_ends_a_hung_step_with_every_threads_stack() -> None:
     code = (
         "import sys, time; sys.path.insert(0, 'benchmarks'); import e2e\n"
@@ -259,8 +266,7 @@ def test_the_e2e_step_watchdog_ends_a_hung_step_with_every_threads_stack() -> No
         "time.sleep(30)\n"
         "print('not ended')\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    run = run_in_process(code, timeout=60)
     assert run.returncode == 3 and "not ended" not in run.stdout
     assert "tlt: WATCHDOG after 0 finished steps" in run.stdout  # which side is stuck, then every stack
     assert "main stream idle" in run.stdout or "(CPU)" in run.stdout
@@ -279,8 +285,7 @@ def test_the_e2e_watchdogs_backstop_ends_a_process_whose_hung_call_holds_the_gil
         "time.sleep(60)\n"
         "print('not ended')\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+    run = run_in_process(code, timeout=90)
     assert run.returncode != 0 and "not ended" not in run.stdout
     assert "Timeout (0:00:30.500000)!" in run.stderr and 'File "<string>", line 5' in run.stderr
 
