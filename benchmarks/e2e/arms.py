@@ -132,7 +132,7 @@ class StepRecorder(Callback):
         train_end = self._train_end or now
         m = dict(batch.metrics)
         lengths = batch.completion_mask.sum(1).tolist()
-        cotrain = [c for c in trainer.callbacks if type(c).__name__ == "DrafterCoTrainCallback"]  # type: ignore[attr-defined]
+        cotrain = cotrain_callbacks(trainer)
         r: dict[str, Any] = {
             "step": len(self.steps),
             "wall_s": now - (self._last_end or now),
@@ -233,7 +233,7 @@ class StepRecorder(Callback):
         try:  # queries never wait for the device
             lines.append(f"  main stream idle: {torch.cuda.default_stream().query()}" if torch.cuda.is_available()
                          else "  (CPU)")
-            cotrain = [c for c in (self.trainer.callbacks if self.trainer else []) if hasattr(c, "learner")]  # type: ignore[attr-defined]
+            cotrain = cotrain_callbacks(self.trainer) if self.trainer is not None else []
             learner = cotrain[0].learner if cotrain else None
             if learner is not None:
                 lines.append(f"  drafter steps in flight on the side stream: {learner.in_flight()} "
@@ -245,6 +245,11 @@ class StepRecorder(Callback):
         faulthandler.dump_traceback(all_threads=True)
         sys.stderr.flush()
         os._exit(3)
+
+
+def cotrain_callbacks(trainer: pl.Trainer) -> list[Any]:
+    """The run's `DrafterCoTrainCallback` (a list: none in b), found by name: a and b share this recorder."""
+    return [c for c in trainer.callbacks if type(c).__name__ == "DrafterCoTrainCallback"]  # type: ignore[attr-defined]
 
 
 class _TrainEndMarker(Callback):
