@@ -89,7 +89,7 @@ def test_speculative_rollouts_are_token_identical_cold_restarted_and_with_plain_
     assert cold["spec_steps"] > 0 and cold["stored"]["compiled"] >= 5
     assert warm["stored"]["compiled"] == 0 and warm["traces"] == 0
     assert warm["stored"]["loaded"] == cold["stored"]["compiled"]
-    assert cold["tokens"] == warm["tokens"] == plain["tokens"]
+    assert cold["tokens"] == warm["tokens"] == plain["tokens"], (cold, warm, plain)
 
 
 def _fresh(tmp_path: Path, key: dict[str, object] | None = None) -> CompileCache:
