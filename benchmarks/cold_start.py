@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import json
 import os
 import platform
@@ -105,10 +106,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("first", "steady"):
         before = _compile_seconds()
         start = time.perf_counter()
-        engine.generate(prompts, cfg, num_samples=args.samples, generator=torch.Generator().manual_seed(1))
+        result = engine.generate(prompts, cfg, num_samples=args.samples, generator=torch.Generator().manual_seed(1))
         if device.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
+        tokens = hashlib.sha256(json.dumps(result.completion_ids).encode()).hexdigest()[:16]
         after = _compile_seconds()
         stats = dict(engine.last_stats)
         out[name] = {
@@ -118,6 +120,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             "compile": {k: v for k, v in stats.items() if k.startswith("compile/")},
             "spec_steps": stats.get("spec/steps", 0.0),
             "graph_stats": engine.graph_stats,
+            "tokens_sha": tokens,
         }
     out["cache"] = dict(engine.last_stats.get("compile_cache", {})) if isinstance(
         engine.last_stats.get("compile_cache"), dict) else {}
@@ -163,6 +166,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "card": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "settings": {k: v for k, v in vars(args).items() if k not in ("child", "out")}, "runs": {},
+        "stored_compile": os.environ.get("LIGHTNING_TLT_COMPILE_AOT", "1") != "0",
     }
     for config in args.configs.split(","):
         with tempfile.TemporaryDirectory() as cache:
@@ -189,7 +193,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                       f"first call {first['wall_s']:6.1f} s (dynamo {first['dynamo_s']:5.1f}, backend "
                       f"{first['backend_s']:5.1f}, captures {first['graph_stats'].get('captures', 0):.0f} in "
                       f"{first['graph_stats'].get('capture_time_s', 0):5.1f} s) | steady call "
-                      f"{run['steady']['wall_s']:5.2f} s", flush=True)
+                      f"{run['steady']['wall_s']:5.2f} s | tokens {first['tokens_sha']}", flush=True)
     results["summary"] = summary_of(results["runs"])
     return results
 
@@ -206,6 +210,10 @@ def summary_of(runs: dict[str, Any]) -> dict[str, Any]:
         for start in ("cold", "warm"):
             if f"{config}_{start}" in runs:
                 out[f"{config}_first_call_{start}_s"] = runs[f"{config}_{start}"]["first"]["wall_s"]
+        if f"{config}_cold" in runs and f"{config}_warm" in runs:
+            # a restart that loads stored compiled code must sample what the cold process sampled
+            digests = {runs[f"{config}_{s}"][call]["tokens_sha"] for s in ("cold", "warm") for call in ("first",)}
+            out[f"{config}_cold_warm_tokens_equal"] = len(digests) == 1
     return out
 
 
