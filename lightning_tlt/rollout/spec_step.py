@@ -49,8 +49,8 @@ import torch
 from torch import Tensor
 
 from lightning_tlt.core.kv_cache import KVCache
-from lightning_tlt.core.stored_compile import CompileStore
 from lightning_tlt.core.runner import rope_cos_sin
+from lightning_tlt.core.stored_compile import CompileStore
 from lightning_tlt.core.types import SamplingConfig
 from lightning_tlt.drafters.base import Drafter, DraftRow, capability
 from lightning_tlt.drafters.eagle import EagleDrafter
@@ -155,6 +155,11 @@ class SpeculativeStep:
         self.max_k = max_draft_tokens
         self.vocab = vocab
         self.coupled = coupled
+        # the device functions: eager (`use_eager`) or compiled and stored (`CompileStore.compile`)
+        self._verify_update: Callable[..., Any]
+        self._draft_sample: Callable[..., Any]
+        self._catch_up_rows: Callable[..., Any]
+        self._chain_row: Callable[..., Any]
         self.use_eager()
         if compiler is not None:
             allow_recompiles()
