@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from _common import add_common_flags, write_results
 
+from lightning_tlt.core import stored_compile
 from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig
 from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.models.zoo import build_model
@@ -89,7 +90,8 @@ def child_b1(args: argparse.Namespace) -> dict[str, Any]:
     return {"build_to_first_token_s": first, "first_graphs": stats0, "more_batches": batches,
             "more_wall_s": more, "more_captures": captures,
             "capture_s_per_graph": pure / captures if captures else None,
-            "compile_s_in_more": stats1["compile_time_s"] - stats0["compile_time_s"]}
+            "compile_s_in_more": stats1["compile_time_s"] - stats0["compile_time_s"],
+            "stored_compile": stored_compile.stats()}
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
@@ -128,6 +130,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             "graph_stats": engine.graph_stats,
             "tokens_sha": tokens,
         }
+    out["stored_compile"] = stored_compile.stats()  # a version that fell back to plain torch.compile shows here
     out["cache"] = dict(engine.last_stats.get("compile_cache", {})) if isinstance(
         engine.last_stats.get("compile_cache"), dict) else {}
     return out
@@ -214,13 +217,19 @@ def line_of(name: str, start: str, run: dict[str, Any]) -> str:
     if "build_to_first_token_s" in run:
         return (f"{name:10s} {start:5s} | process {run['process_s']:6.1f} s | build to first token "
                 f"{run['build_to_first_token_s']:6.2f} s | {run['more_captures']:.0f} more graphs, "
-                f"{run['capture_s_per_graph'] or 0:.3f} s each")
+                f"{run['capture_s_per_graph'] or 0:.3f} s each" + _stored_of(run))
     first = run["first"]
     return (f"{name:10s} {start:5s} | process {run['process_s']:6.1f} s | build {run['build_s']:5.1f} s | "
             f"first call {first['wall_s']:6.1f} s (dynamo {first['dynamo_s']:5.1f}, backend "
             f"{first['backend_s']:5.1f}, captures {first['graph_stats'].get('captures', 0):.0f} in "
             f"{first['graph_stats'].get('capture_time_s', 0):5.1f} s) | steady call "
-            f"{run['steady']['wall_s']:5.2f} s | tokens {first['tokens_sha']}")
+            f"{run['steady']['wall_s']:5.2f} s | tokens {first['tokens_sha']}" + _stored_of(run))
+
+
+def _stored_of(run: dict[str, Any]) -> str:
+    s = run.get("stored_compile") or {}
+    return (f" | stored: {s.get('compiled', 0):.0f} compiled, {s.get('loaded', 0):.0f} loaded in "
+            f"{s.get('load_s', 0):.1f} s, {s.get('fell_back', 0):.0f} fell back")
 
 
 def _first_call_s(run: dict[str, Any]) -> float:
@@ -242,6 +251,9 @@ def summary_of(runs: dict[str, Any]) -> dict[str, Any]:
         for start in ("cold", "warm"):
             if f"{config}_{start}" in runs:
                 out[f"{config}_first_call_{start}_s"] = runs[f"{config}_{start}"]["first"]["wall_s"]
+    # versions that fell back to plain torch.compile where stored ones were asked for (their restarts trace)
+    out["stored_fell_back"] = sum((run.get("stored_compile") or {}).get("fell_back", 0)
+                                  for name, run in runs.items() if "_plain" not in name)  # fmt: skip
     digests: dict[str, set[str]] = {}
     for name, run in runs.items():
         if "first" in run:

@@ -58,7 +58,8 @@ MAX_VERSIONS = 64
 DynamicDims = Callable[..., Mapping[int, Sequence[int]]]
 """``(*args) -> {argument index: dims}``: the sizes of a call's tensor arguments to compile as dynamic."""
 
-_STATS: dict[str, float] = {"compile_s": 0.0, "load_s": 0.0, "compiled": 0, "loaded": 0, "discarded": 0}
+_STATS: dict[str, float] = {"compile_s": 0.0, "load_s": 0.0, "compiled": 0, "loaded": 0, "discarded": 0,
+                            "fell_back": 0}
 
 
 class _Held:
@@ -80,7 +81,8 @@ def reset() -> None:
 
 def stats() -> dict[str, float]:
     """This process's totals: ``compile_s`` (versions compiled ahead of time, tracing and code generation),
-    ``load_s`` (files read and loaded), and the counts ``compiled``, ``loaded``, ``discarded``."""
+    ``load_s`` (files read and loaded), and the counts ``compiled``, ``loaded``, ``discarded`` and
+    ``fell_back`` (functions compiled with plain ``torch.compile`` instead: their restarts trace again)."""
     return dict(_STATS)
 
 
@@ -189,7 +191,6 @@ class StoredCompile:
             return self._fall_back(f"more than {MAX_VERSIONS} versions")
         start = time.perf_counter()
         try:
-            compiled = torch.compile(self.fn, fullgraph=True, dynamic=self.dynamic)
             # floats specialised: a float argument made a tensor asks Dynamo to restart its analysis, which the
             # ahead-of-time path cannot (the sampling settings are constants of a run anyway). No automatic
             # dynamic shapes: what Dynamo remembers of earlier compiles of the same code made later versions'
@@ -198,6 +199,8 @@ class StoredCompile:
             # the dynamic sizes are the ones asked for (``dynamic``, `DynamicDims`), in every version.
             with torch._dynamo.config.patch(enable_aot_compile=True, specialize_float=True,
                                             automatic_dynamic_shapes=False):
+                # made under the flag: torch 2.11 gives the wrapper its `aot_compile` only when it is on
+                compiled = torch.compile(self.fn, fullgraph=True, dynamic=self.dynamic)
                 version = compiled.aot_compile((self._mark(args, in_place=False), kwargs))  # type: ignore[attr-defined]
         except Exception as err:  # noqa: BLE001 - whatever the AOT path cannot do, plain torch.compile may
             return self._fall_back(repr(err))
@@ -213,6 +216,7 @@ class StoredCompile:
         warnings.warn(f"could not compile {self.name} ahead of time ({why}); compiling it with torch.compile "
                       "(a restart traces it again)", stacklevel=4)
         self._plain = torch.compile(self.fn, fullgraph=True, dynamic=self.dynamic)
+        _STATS["fell_back"] += 1
         return None
 
     def _store(self, version: Any) -> None:

@@ -147,3 +147,28 @@ def test_off_by_the_environment_or_without_a_directory(tmp_path: Path, monkeypat
     assert not plain.stored
     torch.testing.assert_close(plain(x, 1.0, None), scaled_softmax(x, 1.0, None))
     assert not (tmp_path / "aot").exists()
+
+
+def test_the_compiled_wrapper_is_made_under_the_flag_that_gives_it_aot_compile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch 2.11 (the GPU machines' build) attaches `aot_compile` to the wrapper only when Dynamo's
+    # `enable_aot_compile` is on as `torch.compile` is called; made outside the flag, every step function
+    # fell back to plain torch.compile on the H100 (2026-12-06) and restarts traced as before
+    real = torch.compile
+
+    def compile_as_211(fn: object, **kwargs: object) -> object:
+        wrapped = real(fn, **kwargs)  # type: ignore[call-overload]
+        if torch._dynamo.config.enable_aot_compile:
+            return wrapped
+        return lambda *args, **kw: wrapped(*args, **kw)  # no aot_compile attribute
+
+    monkeypatch.setattr(torch, "compile", compile_as_211)
+    before = stored_compile.stats()
+    x = torch.randn(5, 7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fall-back warns
+        torch.testing.assert_close(_store(tmp_path)(x, 0.5, None), scaled_softmax(x, 0.5, None))
+    after = stored_compile.stats()
+    assert after["fell_back"] == before["fell_back"] and after["compiled"] == before["compiled"] + 1
+    assert len(_files(tmp_path)) == 1
