@@ -7,7 +7,13 @@ configuration ``tlt``; ``--no-spec`` is ``nospec``), and runs a first ``generate
 below the gate's threshold so speculation turns on, then a second, steady call of the same size.
 It reports the first call's wall time split into Dynamo tracing, Inductor compiling, graph capture
 and the rest, the number of graphs captured, and the steady call's time. The parent runs the child
-twice on one compile cache directory: cold (empty) and warm (a restart of the same run).
+twice on one compile cache directory: cold (empty) and warm (a restart of the same run), and by
+default (``--stored both``) does so twice, side by side: with the engine's stored compiled steps
+(`lightning_tlt.core.stored_compile`: a restart loads them and traces nothing) and without them
+(``LIGHTNING_TLT_COMPILE_AOT=0``: plain ``torch.compile`` over the run's Inductor cache, runs named
+``<config>_plain``). ``ratios`` holds plain over stored for the warm restart and stored over plain
+for the cold first call; ``summary.<config>_tokens_equal`` says whether every process sampled the
+same tokens.
 
 GPU: ``python benchmarks/cold_start.py`` (about 3-5 minutes). CPU smoke: ``--smoke``.
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import json
 import os
 import platform
@@ -28,6 +35,7 @@ from typing import Any
 import torch
 from _common import add_common_flags, write_results
 
+from lightning_tlt.core import stored_compile
 from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig
 from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.models.zoo import build_model
@@ -82,7 +90,8 @@ def child_b1(args: argparse.Namespace) -> dict[str, Any]:
     return {"build_to_first_token_s": first, "first_graphs": stats0, "more_batches": batches,
             "more_wall_s": more, "more_captures": captures,
             "capture_s_per_graph": pure / captures if captures else None,
-            "compile_s_in_more": stats1["compile_time_s"] - stats0["compile_time_s"]}
+            "compile_s_in_more": stats1["compile_time_s"] - stats0["compile_time_s"],
+            "stored_compile": stored_compile.stats()}
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
@@ -105,10 +114,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("first", "steady"):
         before = _compile_seconds()
         start = time.perf_counter()
-        engine.generate(prompts, cfg, num_samples=args.samples, generator=torch.Generator().manual_seed(1))
+        result = engine.generate(prompts, cfg, num_samples=args.samples, generator=torch.Generator().manual_seed(1))
         if device.type == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
+        tokens = hashlib.sha256(json.dumps(result.completion_ids).encode()).hexdigest()[:16]
         after = _compile_seconds()
         stats = dict(engine.last_stats)
         out[name] = {
@@ -118,7 +128,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             "compile": {k: v for k, v in stats.items() if k.startswith("compile/")},
             "spec_steps": stats.get("spec/steps", 0.0),
             "graph_stats": engine.graph_stats,
+            "tokens_sha": tokens,
         }
+    out["stored_compile"] = stored_compile.stats()  # a version that fell back to plain torch.compile shows here
     out["cache"] = dict(engine.last_stats.get("compile_cache", {})) if isinstance(
         engine.last_stats.get("compile_cache"), dict) else {}
     return out
@@ -147,6 +159,8 @@ def main() -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--configs", default="nospec,tlt", help="which of nospec,tlt,b1 to run")
     parser.add_argument("--b1", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--stored", choices=("both", "on", "off"), default="both",
+                        help="the stored compiled steps on, off (LIGHTNING_TLT_COMPILE_AOT=0), or both side by side")
     add_common_flags(parser)
     args = parser.parse_args()
     if args.child:
@@ -157,7 +171,10 @@ def main() -> None:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Each configuration twice in fresh processes on one empty compile cache: cold, then a warm restart."""
+    """Each configuration twice in fresh processes on one empty compile cache: cold, then a warm restart;
+    with ``--stored both``, once with the stored compiled steps (``<config>_cold``, ``<config>_warm``) and
+    once without them (plain ``torch.compile`` over the Inductor cache: ``<config>_plain_cold``, ...)."""
+    modes = {"both": ("on", "off"), "on": ("on",), "off": ("off",)}[args.stored]
     results: dict[str, Any] = {
         "benchmark": "cold_start", "date": dt.datetime.now().isoformat(timespec="seconds"),
         "card": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
@@ -165,47 +182,99 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "settings": {k: v for k, v in vars(args).items() if k not in ("child", "out")}, "runs": {},
     }
     for config in args.configs.split(","):
-        with tempfile.TemporaryDirectory() as cache:
-            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "LIGHTNING_TLT_CACHE": cache}
-            flags = child_flags(args, spec=config != "nospec") + (["--b1"] if config == "b1" else [])
-            for start in ("cold", "warm"):
-                t0 = time.perf_counter()
-                proc = subprocess.run([sys.executable, __file__, "--child", *flags], env=env, capture_output=True,
-                                      text=True, check=False)
-                line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-                if line is None:
-                    print(proc.stdout[-3000:], proc.stderr[-5000:], flush=True)
-                    raise SystemExit(f"{config} {start}: child failed (exit {proc.returncode})")
-                run = json.loads(line[len("RESULT "):])
-                run["process_s"] = time.perf_counter() - t0
-                results["runs"][f"{config}_{start}"] = run
-                if config == "b1":
-                    print(f"b1      {start:5s} | process {run['process_s']:6.1f} s | build to first token "
-                          f"{run['build_to_first_token_s']:6.2f} s | {run['more_captures']:.0f} more graphs, "
-                          f"{run['capture_s_per_graph'] or 0:.3f} s each", flush=True)
-                    continue
-                first = run["first"]
-                print(f"{config:7s} {start:5s} | process {run['process_s']:6.1f} s | build {run['build_s']:5.1f} s | "
-                      f"first call {first['wall_s']:6.1f} s (dynamo {first['dynamo_s']:5.1f}, backend "
-                      f"{first['backend_s']:5.1f}, captures {first['graph_stats'].get('captures', 0):.0f} in "
-                      f"{first['graph_stats'].get('capture_time_s', 0):5.1f} s) | steady call "
-                      f"{run['steady']['wall_s']:5.2f} s", flush=True)
-    results["summary"] = summary_of(results["runs"])
+        for mode in modes:
+            name = config if mode == "on" else f"{config}_plain"
+            with tempfile.TemporaryDirectory() as cache:
+                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "LIGHTNING_TLT_CACHE": cache,
+                       "LIGHTNING_TLT_COMPILE_AOT": "1" if mode == "on" else "0"}
+                for start in ("cold", "warm"):
+                    results["runs"][f"{name}_{start}"] = run = run_child(args, config, env)
+                    print(line_of(name, start, run), flush=True)
+        results["summary"] = summary_of(results["runs"])
+        results["ratios"] = ratios_of(results["runs"])
+        if config != args.configs.split(",")[-1]:  # what is measured so far, should a later one not finish
+            write_results(results, "cold_start", smoke=args.smoke, cuda=torch.cuda.is_available(), out=args.out)
     return results
 
 
+def run_child(args: argparse.Namespace, config: str, env: dict[str, str]) -> dict[str, Any]:
+    """One fresh process measuring ``config``; its RESULT line, with the process's wall time."""
+    flags = child_flags(args, spec=config != "nospec") + (["--b1"] if config == "b1" else [])
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "--child", *flags], env=env, capture_output=True, text=True,
+                          check=False)  # fmt: skip
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        print(proc.stdout[-3000:], proc.stderr[-5000:], flush=True)
+        raise SystemExit(f"{config}: child failed (exit {proc.returncode})")
+    run: dict[str, Any] = json.loads(line[len("RESULT "):])
+    run["process_s"] = time.perf_counter() - t0
+    return run
+
+
+def line_of(name: str, start: str, run: dict[str, Any]) -> str:
+    """The table row of one measured process."""
+    if "build_to_first_token_s" in run:
+        return (f"{name:10s} {start:5s} | process {run['process_s']:6.1f} s | build to first token "
+                f"{run['build_to_first_token_s']:6.2f} s | {run['more_captures']:.0f} more graphs, "
+                f"{run['capture_s_per_graph'] or 0:.3f} s each" + _stored_of(run))
+    first = run["first"]
+    return (f"{name:10s} {start:5s} | process {run['process_s']:6.1f} s | build {run['build_s']:5.1f} s | "
+            f"first call {first['wall_s']:6.1f} s (dynamo {first['dynamo_s']:5.1f}, backend "
+            f"{first['backend_s']:5.1f}, captures {first['graph_stats'].get('captures', 0):.0f} in "
+            f"{first['graph_stats'].get('capture_time_s', 0):5.1f} s) | steady call "
+            f"{run['steady']['wall_s']:5.2f} s | tokens {first['tokens_sha']}" + _stored_of(run))
+
+
+def _stored_of(run: dict[str, Any]) -> str:
+    s = run.get("stored_compile") or {}
+    return (f" | stored: {s.get('compiled', 0):.0f} compiled, {s.get('loaded', 0):.0f} loaded in "
+            f"{s.get('load_s', 0):.1f} s, {s.get('fell_back', 0):.0f} fell back")
+
+
+def _first_call_s(run: dict[str, Any]) -> float:
+    return float(run["build_to_first_token_s"] if "build_to_first_token_s" in run else run["first"]["wall_s"])
+
+
 def summary_of(runs: dict[str, Any]) -> dict[str, Any]:
-    """Cold and warm figures of the configurations measured (b1: the engine benchmark's keys)."""
+    """Cold and warm figures of the configurations measured (b1: the engine benchmark's keys), with the
+    stored compiled steps and (``_plain``) without them."""
     out: dict[str, Any] = {}
     if "b1_cold" in runs:
         out["first_call_s_b1"] = runs["b1_cold"]["build_to_first_token_s"]
         out["capture_s_per_graph"] = runs["b1_cold"]["capture_s_per_graph"]
     if "b1_warm" in runs:
         out["warm_restart_s"] = runs["b1_warm"]["build_to_first_token_s"]
-    for config in ("nospec", "tlt"):
+    if "b1_plain_warm" in runs:
+        out["warm_restart_plain_s"] = runs["b1_plain_warm"]["build_to_first_token_s"]
+    for config in ("nospec", "tlt", "nospec_plain", "tlt_plain"):
         for start in ("cold", "warm"):
             if f"{config}_{start}" in runs:
                 out[f"{config}_first_call_{start}_s"] = runs[f"{config}_{start}"]["first"]["wall_s"]
+    # versions that fell back to plain torch.compile where stored ones were asked for (their restarts trace)
+    out["stored_fell_back"] = sum((run.get("stored_compile") or {}).get("fell_back", 0)
+                                  for name, run in runs.items() if "_plain" not in name)  # fmt: skip
+    digests: dict[str, set[str]] = {}
+    for name, run in runs.items():
+        if "first" in run:
+            digests.setdefault(name.split("_")[0], set()).add(run["first"]["tokens_sha"])
+    for config, seen in digests.items():
+        # a restart that loads stored compiled code, and plain torch.compile, must sample what the cold process did
+        out[f"{config}_tokens_equal"] = len(seen) == 1
+    return out
+
+
+def ratios_of(runs: dict[str, Any]) -> dict[str, float]:
+    """Plain ``torch.compile`` over the stored steps, side by side in this run: ``<config>_warm_plain_over_stored``
+    (> 1: the stored steps restart faster) and ``<config>_cold_stored_over_plain`` (what storing costs a first run)."""
+    out: dict[str, float] = {}
+    for config in ("b1", "nospec", "tlt"):
+        if f"{config}_warm" in runs and f"{config}_plain_warm" in runs:
+            out[f"{config}_warm_plain_over_stored"] = _first_call_s(runs[f"{config}_plain_warm"]) / _first_call_s(
+                runs[f"{config}_warm"])
+        if f"{config}_cold" in runs and f"{config}_plain_cold" in runs:
+            out[f"{config}_cold_stored_over_plain"] = _first_call_s(runs[f"{config}_cold"]) / _first_call_s(
+                runs[f"{config}_plain_cold"])
     return out
 
 

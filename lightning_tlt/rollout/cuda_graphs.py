@@ -134,12 +134,15 @@ def _cheap_capture() -> contextlib.AbstractContextManager[Any]:
 
 
 def compile_seconds() -> float:
-    """Seconds Dynamo has spent compiling in this process (torch's own counter; 0 where it has none)."""
+    """Seconds spent compiling in this process: Dynamo's (torch's own counter; 0 where it has none) and
+    compiling versions ahead of time (`lightning_tlt.core.stored_compile`, which that counter misses)."""
+    from lightning_tlt.core.stored_compile import stats
+
     try:
         from torch._dynamo.utils import compilation_time_metrics
     except ImportError:  # pragma: no cover - a torch without the counter
-        return 0.0
-    return float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
+        return stats()["compile_s"]
+    return float(sum(compilation_time_metrics.get("_compile.compile_inner", ()))) + stats()["compile_s"]
 
 
 @dataclass

@@ -315,11 +315,12 @@ def _draft_cost(draft_cost: float, k: int, rows: int) -> float:
 
 def default_drafter(config: SpeculativeConfig, model: nn.Module) -> Drafter | None:
     """The drafter a `SpeculativeConfig` asks for: a `SuffixDrafter`, or a frozen `EagleDrafter`
-    (loaded from ``drafter_path``, else cold from the policy)."""
+    (loaded from ``drafter_path``, else cold from the policy, its initialisation seeded: the same in
+    every process, whatever the global RNG holds, so a restart proposes what the first run did)."""
     if config.method == "suffix":
         return SuffixDrafter()
     if config.method == "eagle":
         if config.drafter_path is not None:
             return EagleDrafter.from_pretrained(config.drafter_path, model).inference_copy()
-        return EagleDrafter.from_target(model).inference_copy()
+        return EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(0)).inference_copy()
     return None

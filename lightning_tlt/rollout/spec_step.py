@@ -50,6 +50,7 @@ from torch import Tensor
 
 from lightning_tlt.core.kv_cache import KVCache
 from lightning_tlt.core.runner import rope_cos_sin
+from lightning_tlt.core.stored_compile import CompileStore
 from lightning_tlt.core.types import SamplingConfig
 from lightning_tlt.drafters.base import Drafter, DraftRow, capability
 from lightning_tlt.drafters.eagle import EagleDrafter
@@ -142,25 +143,33 @@ class SpeculativeStep:
     Args:
         max_draft_tokens: the largest ``k`` (the state's buffers are sized for it).
         vocab: the draft vocabulary (shared with the engine, which counts rollouts into it).
-        compile: ``torch.compile(fullgraph=True)`` the step's device functions.
+        compiler: compile the step's device functions in this store (``torch.compile(fullgraph=True)``,
+            each version stored: `lightning_tlt.core.stored_compile`), or ``None``: run them uncompiled.
         coupled: verify by coupling with the plain sampler (`verify_coupled`; an EAGLE drafter then
             races with the verifier's own noise), else by rejection sampling.
     """
 
-    def __init__(self, max_draft_tokens: int, vocab: DraftVocabulary, *, compile: bool, coupled: bool = False) -> None:
+    def __init__(
+        self, max_draft_tokens: int, vocab: DraftVocabulary, *, compiler: CompileStore | None, coupled: bool = False
+    ) -> None:
         self.max_k = max_draft_tokens
         self.vocab = vocab
         self.coupled = coupled
+        # the device functions: eager (`use_eager`) or compiled and stored (`CompileStore.compile`)
+        self._verify_update: Callable[..., Any]
+        self._draft_sample: Callable[..., Any]
+        self._catch_up_rows: Callable[..., Any]
+        self._chain_row: Callable[..., Any]
         self.use_eager()
-        if compile:
+        if compiler is not None:
             allow_recompiles()
             # dynamic from the start: few compilations per function serve every batch bucket and k
             # (the catch-up block and the chained single row are compiled apart: their q differs, and
             # two functions keep two caches, where one function compiled twice would share one)
-            self._verify_update = torch.compile(verify_update, fullgraph=True, dynamic=True)
-            self._draft_sample = torch.compile(draft_sample, fullgraph=True, dynamic=True)
-            self._catch_up_rows = torch.compile(catch_up_rows, fullgraph=True, dynamic=True)
-            self._chain_row = torch.compile(chain_row, fullgraph=True, dynamic=True)
+            self._verify_update = compiler.compile(verify_update, dynamic=True)
+            self._draft_sample = compiler.compile(draft_sample, dynamic=True)
+            self._catch_up_rows = compiler.compile(catch_up_rows, dynamic=True)
+            self._chain_row = compiler.compile(chain_row, dynamic=True)
         self._head: tuple[Tensor, Tensor | None, Tensor | None] | None = None  # (rows, bias, ids)
         self._host_probs: Tensor | None = None  # (R, K, V) a host drafter's distributions
         self._contexts: dict[int, list[int]] = {}  # request index -> prompt + completion (host drafters)
@@ -437,8 +446,9 @@ def drafter_rows(
 ) -> Tensor:
     """The drafter's layer over ``(B, q)`` rows against its cache (catch-up block or one chained row)."""
     x = drafter.input_hidden(feats.to(drafter.fc.weight.dtype), tokens)
+    # every argument passed: a stored compiled version must not guard on a default (`policy_step`)
     return drafter.layer_forward(x, positions, k_cache, v_cache, prefill=False, attention=attention, hole=hole,
-                                 rope=(cos, sin))
+                                 rope=(cos, sin), keep=None)
 
 
 def catch_up_rows(*args: Any, **kwargs: Any) -> Tensor:

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from lightning_tlt.core.compile_cache import CompileCache, device_key
 from lightning_tlt.core.kv_cache import KVCache
+from lightning_tlt.core.stored_compile import CompileStore
 from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.rollout.cuda_graphs import (
     DEFAULT_BUCKETS,
@@ -38,7 +39,8 @@ from lightning_tlt.rollout.steps import (
     allow_recompiles,
     compile_settings,
     decode_update,
-    mark_rows_dynamic,
+    policy_step,
+    rows_dynamic,
 )
 
 
@@ -80,19 +82,20 @@ class StepRunner(DrafterHosting):
         self._graphs = CUDAGraphProfileCache(
             backend, buckets=buckets, max_batch=slots, memory_budget_bytes=self._graph_memory_budget
         )
-        self._forward, self._decode_update = self._model_step, decode_update
+        self._forward, self._decode_update = policy_step, decode_update
         self._compiled = use_compile
+        store = None
         if use_compile:
             allow_recompiles()
-            self._load_compile_cache(capture)
+            store = self._compile_store(capture)
             # one version of each step function for every batch bucket and draft length: the forward's
-            # rows (and a verify's tokens per row) are marked dynamic at each call (`mark_rows_dynamic`),
-            # the updates are dynamic throughout; the forward has two versions, decode (one token a row,
-            # which Dynamo specialises) and verify
-            self._forward = torch.compile(self._model_step, fullgraph=True)
-            self._decode_update = torch.compile(decode_update, fullgraph=True, dynamic=True)
+            # rows (and a verify's tokens per row) are dynamic (`rows_dynamic`), the updates are dynamic
+            # throughout; the forward has two versions, decode (one token a row, which Dynamo
+            # specialises) and verify. Each version is stored: a restart loads it without tracing.
+            self._forward = store.compile(policy_step, dynamic_dims=rows_dynamic)
+            self._decode_update = store.compile(decode_update, dynamic=True)
         if self._spec_on:
-            self._spec_step = SpeculativeStep(self.max_draft_tokens, self._vocab, compile=use_compile,
+            self._spec_step = SpeculativeStep(self.max_draft_tokens, self._vocab, compiler=store,
                                               coupled=self.speculative.verification == "coupled")
             rows = min(slots, self._graphs.bucket(min(self.speculative.threshold, slots)))
             assert self._gate is not None  # kept (with what it learned), capped to the rows the buffers serve
@@ -119,17 +122,20 @@ class StepRunner(DrafterHosting):
                                              memory_budget_bytes=self._graph_memory_budget)
         return self._graphs
 
-    def _load_compile_cache(self, capture: tuple[int, ...]) -> None:
-        """Point the tracker at this layout's persistent compile cache and load it (once per process)."""
+    def _compile_store(self, capture: tuple[int, ...]) -> CompileStore:
+        """This layout's compile cache: Inductor's artifacts loaded (once per process) and tracked for saving,
+        and the store of compiled versions (`lightning_tlt.core.stored_compile`), both under one key."""
         assert self._runner is not None
-        cache = None
-        if self._compile_cache_dir is not None:
-            key = {"model": dataclasses.asdict(self._runner.spec), "dtype": str(self.dtype),
-                   "device": device_key(self.device), "attention": self.attention,
-                   "fuse_projections": self._runner.fuse_projections, "capture_layers": list(capture)}
-            cache = CompileCache(self._compile_cache_dir, key)
-            cache.load()
+        if self._compile_cache_dir is None:
+            self._tracker.cache = None
+            return CompileStore(None)
+        key = {"model": dataclasses.asdict(self._runner.spec), "dtype": str(self.dtype),
+               "device": device_key(self.device), "attention": self.attention,
+               "fuse_projections": self._runner.fuse_projections, "capture_layers": list(capture)}
+        cache = CompileCache(self._compile_cache_dir, key)
+        cache.load()
         self._tracker.cache = cache
+        return CompileStore(self._compile_cache_dir, key)
 
     def _check_params(self) -> None:
         """Captured graphs hold parameter addresses: drop them if a parameter tensor was replaced."""
@@ -137,19 +143,6 @@ class StepRunner(DrafterHosting):
         if ptrs != self._param_ptrs and self._graphs is not None:
             self._graphs.clear()
         self._param_ptrs = ptrs
-
-    def _model_step(
-        self, tokens: Tensor, positions: Tensor, k: list[Tensor], v: list[Tensor], capture: tuple[int, ...] = (),
-        kv_len: int | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """Logits ``(B, q, V)`` and features ``(B, q, F)``: the last hidden state, or the EAGLE-3
-        concatenation of the ``capture`` layers' hidden states."""
-        assert self._runner is not None
-        out = self._runner.forward(tokens, positions, k, v, capture_layers=capture, kv_len=kv_len)
-        assert out.logits is not None
-        if not capture:
-            return out.logits, out.hidden
-        return out.logits, torch.cat([out.layer_hidden[i] for i in capture], dim=-1)
 
     def step_context(self) -> StepContext:
         """What a step runs in: the buffers, the forward, the graph cache and the graph-replaying step runner
@@ -161,11 +154,9 @@ class StepRunner(DrafterHosting):
                            self._capture_layers(), self.attention)
 
     def _call_forward(self, tokens: Tensor, positions: Tensor, *args: Any) -> tuple[Tensor, Tensor]:
-        """The (compiled) forward, its rows and tokens per row marked dynamic: one version serves every shape."""
-        assert self._forward is not None
-        if self._compiled:
-            mark_rows_dynamic(tokens, positions)
-        return self._forward(tokens, positions, *args)
+        """`policy_step` on the engine's policy (compiled: one version for every batch bucket)."""
+        assert self._forward is not None and self._runner is not None
+        return self._forward(self._runner, tokens, positions, *args)
 
     # ------------------------------------------------------------------ steps
     def _decode_step(self, batch: int, sampling: SamplingKey, kv_len: int | None) -> None:
@@ -202,7 +193,7 @@ class StepRunner(DrafterHosting):
             warnings.warn(f"torch.compile of the engine's steps failed ({err!r}); running uncompiled", stacklevel=2)
             self.compile_failures.append(repr(err))
             self._compiled = False
-            self._forward, self._decode_update = self._model_step, decode_update
+            self._forward, self._decode_update = policy_step, decode_update
             if self._spec_step is not None:
                 self._spec_step.use_eager()
             graphs.clear()

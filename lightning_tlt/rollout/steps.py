@@ -5,7 +5,7 @@ and tensors handed in, and never syncs with the host. Its randomness is keyed no
 (`lightning_tlt.core.sampling.keyed_exponential`) computed inside the function from each row's key
 (``SlotState.keys``) and completion position (``SlotState.num_generated``): no generator is traced
 or captured, and a row draws the same numbers in any batch, slot or step kind. The policy's forward
-is compiled on its own (once for all steps); these are the rest of a step:
+is compiled on its own (`policy_step`, once for all steps); these are the rest of a step:
 
 - `decode_update`: the head's sampling (temperature, top-k, top-p, the exponential race, the
   logprob) and the state update of a plain decode step;
@@ -19,8 +19,9 @@ is compiled on its own (once for all steps); these are the rest of a step:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,9 @@ from lightning_tlt.core.sampling import (
 )
 from lightning_tlt.rollout.slot_state import SlotState
 from lightning_tlt.rollout.verify import verify_chain, verify_coupled
+
+if TYPE_CHECKING:
+    from lightning_tlt.core.runner import ModelRunner
 
 RECOMPILE_LIMIT = 64
 """Compiled versions allowed per step function (torch's default is 8)."""
@@ -68,19 +72,34 @@ def compile_settings() -> contextlib.AbstractContextManager[None]:
     return cast(contextlib.AbstractContextManager[None], fx_config.patch(use_duck_shape=False))  # type: ignore[attr-defined]
 
 
-def mark_rows_dynamic(tokens: Tensor, positions: Tensor) -> None:
-    """Mark a forward's ``(B, q)`` inputs' rows, and tokens per row above one, dynamic for Dynamo.
+def rows_dynamic(runner: Any, tokens: Tensor, positions: Tensor, *rest: Any) -> dict[int, list[int]]:
+    """`policy_step`'s dynamic sizes (a `lightning_tlt.core.stored_compile.DynamicDims`): the rows, and a
+    verify's tokens per row above one, of ``tokens`` and ``positions`` (its arguments 1 and 2).
 
-    Without it the first batch compiles a static version and the second a dynamic one (and the
+    Without them the first batch compiles a static version and the second a dynamic one (and the
     first verify another static one): one trace of the whole policy each. Sizes 0 and 1 cannot be
     dynamic (Dynamo specialises them): a decode's single token per row stays static.
     """
-    import torch._dynamo
-
     dims = [d for d in (0, 1) if tokens.shape[d] > 1]
-    if dims:
-        torch._dynamo.maybe_mark_dynamic(tokens, dims)
-        torch._dynamo.maybe_mark_dynamic(positions, dims)
+    return {1: dims, 2: dims}
+
+
+def policy_step(
+    runner: ModelRunner, tokens: Tensor, positions: Tensor, k_cache: Sequence[Tensor], v_cache: Sequence[Tensor],
+    capture: tuple[int, ...], kv_len: int | None,
+) -> tuple[Tensor, Tensor]:
+    """The policy's forward of a decode or verify step: logits ``(B, q, V)`` and features ``(B, q, F)``
+    (the last hidden state, or the EAGLE-3 concatenation of the ``capture`` layers' hidden states).
+
+    Every argument of ``runner.forward`` is passed, none left to its default: a compiled version
+    stored on disk must not guard on a default's value (torch 2.11 could not load such guards back).
+    """
+    out = runner.forward(tokens, positions, k_cache, v_cache, prefill=False, logits=True, capture_layers=capture,
+                         kv_len=kv_len)
+    assert out.logits is not None
+    if not capture:
+        return out.logits, out.hidden
+    return out.logits, torch.cat([out.layer_hidden[i] for i in capture], dim=-1)
 
 
 @dataclass(frozen=True)

@@ -8,49 +8,88 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
 
 from lightning_tlt.core.compile_cache import MAGIC, CompileCache, resolve_cache_dir
+from lightning_tlt.core.stored_compile import ENV_VAR
 
 ENGINE_RUN = """
 import json, sys, torch
-from torch._dynamo.utils import counters
-from lightning_tlt.core.types import SamplingConfig
+from torch._dynamo.utils import compilation_time_metrics, counters
+from lightning_tlt.core import stored_compile
+from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig
 from lightning_tlt.models.zoo import build_model
 from lightning_tlt.rollout.engine import RolloutEngine
 
-engine = RolloutEngine(build_model("qwen2", "tiny", seed=0), max_seq_len=24, max_batch_size=2, compile=True,
-                       compile_cache=sys.argv[1] if sys.argv[1] != "off" else False, log_compile=False)
-out = engine.generate([[5, 6, 7], [8, 9]], SamplingConfig(temperature=0.0, max_new_tokens=6, stop_token_ids=[]))
+cache, spec, temperature = sys.argv[1], sys.argv[2] == "eagle", float(sys.argv[3])
+speculative = SpeculativeConfig(method="eagle", threshold=8, num_draft_tokens=3, draft_vocab_size=None) if spec else None
+engine = RolloutEngine(build_model("qwen2", "tiny", seed=0), max_seq_len=48 if spec else 24, max_batch_size=4 if spec else 2,
+                       compile=True, compile_cache=cache if cache != "off" else False, log_compile=False,
+                       speculative=speculative)
+prompts = [[5, 6, 7], [8, 9], [3, 4, 5, 6]] if spec else [[5, 6, 7], [8, 9]]
+out = engine.generate(prompts, SamplingConfig(temperature=temperature, max_new_tokens=12 if spec else 6, stop_token_ids=[]),
+                      generator=torch.Generator().manual_seed(0))
 print("RESULT " + json.dumps({"tokens": out.completion_ids, "hits": counters["inductor"]["fxgraph_cache_hit"],
-                              "misses": counters["inductor"]["fxgraph_cache_miss"]}))
+                              "misses": counters["inductor"]["fxgraph_cache_miss"], "stored": stored_compile.stats(),
+                              "traces": len(compilation_time_metrics.get("_compile.compile_inner", ())),
+                              "spec_steps": engine.last_stats.get("spec/steps", 0.0)}))
 """
 
 
-def _run(cache: str, inductor_dir: Path) -> dict[str, object]:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run([sys.executable, "-c", ENGINE_RUN, cache], env=env, capture_output=True, text=True,
-                          timeout=600, check=False)  # fmt: skip
+def _run(cache: str, inductor_dir: Path, *, spec: str = "none", temperature: float = 0.0,
+         aot: bool = True) -> dict[str, Any]:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "PYTHONPATH": os.pathsep.join(sys.path),
+           ENV_VAR: "1" if aot else "0"}
+    proc = subprocess.run([sys.executable, "-c", ENGINE_RUN, cache, spec, str(temperature)], env=env,
+                          capture_output=True, text=True, timeout=900, check=False)  # fmt: skip
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(line[len("RESULT ") :])
+    assert "compiling it with torch.compile" not in proc.stderr, proc.stderr[-4000:]  # no step fell back
+    return cast(dict[str, Any], json.loads(line[len("RESULT ") :]))
 
 
-def test_a_second_process_compiles_from_the_runs_own_cache_with_the_same_greedy_tokens(tmp_path: Path) -> None:
+def test_a_second_process_loads_the_stored_steps_without_tracing_with_the_same_greedy_tokens(tmp_path: Path) -> None:
     # each process has its own empty Inductor cache (PyTorch's, in the temp folder on a real machine):
-    # only the kit's file can carry the first process's work to the second
+    # only the kit's files can carry the first process's work to the second
     cache = tmp_path / "compile"
     first = _run(str(cache), tmp_path / "inductor-a")
-    files = list(cache.glob("steps-*.bin"))
-    assert len(files) == 1 and files[0].read_bytes().startswith(MAGIC)
-    assert first["misses"] > 0 and first["hits"] == 0
+    assert first["stored"]["compiled"] >= 2 and first["traces"] == 0  # decode forward and update, ahead of time
+    assert len(list((cache / "aot").glob("*/*.bin"))) == first["stored"]["compiled"]
     second = _run(str(cache), tmp_path / "inductor-b")
-    assert second["hits"] > 0 and second["misses"] == 0, second  # everything came from the file
+    assert second["traces"] == 0 and second["stored"]["compiled"] == 0, second  # nothing traced or compiled
+    assert second["stored"]["loaded"] == first["stored"]["compiled"] and second["stored"]["discarded"] == 0
     uncached = _run("off", tmp_path / "inductor-c")
+    assert uncached["stored"]["compiled"] == 0 and uncached["traces"] > 0  # plain torch.compile
     assert uncached["hits"] == 0 and not (tmp_path / "inductor-c" / "compile").exists()
     assert first["tokens"] == second["tokens"] == uncached["tokens"]
+
+
+def test_with_stored_steps_off_a_second_process_compiles_from_the_runs_inductor_cache(tmp_path: Path) -> None:
+    cache = tmp_path / "compile"
+    first = _run(str(cache), tmp_path / "inductor-a", aot=False)
+    files = list(cache.glob("steps-*.bin"))
+    assert len(files) == 1 and files[0].read_bytes().startswith(MAGIC) and not (cache / "aot").exists()
+    assert first["misses"] > 0 and first["hits"] == 0 and first["traces"] > 0
+    second = _run(str(cache), tmp_path / "inductor-b", aot=False)
+    assert second["hits"] > 0 and second["misses"] == 0, second  # Inductor's work came from the file; tracing ran
+    assert second["traces"] > 0 and first["tokens"] == second["tokens"]
+
+
+@pytest.mark.slow
+def test_speculative_rollouts_are_token_identical_cold_restarted_and_with_plain_compile(tmp_path: Path) -> None:
+    # T = 1 with the EAGLE drafter: the verify, draft and catch-up steps stored and loaded too; the
+    # keyed sampling noise makes the tokens a function of the compiled code's outputs only
+    cache = tmp_path / "compile"
+    cold = _run(str(cache), tmp_path / "inductor-a", spec="eagle", temperature=1.0)
+    warm = _run(str(cache), tmp_path / "inductor-b", spec="eagle", temperature=1.0)
+    plain = _run(str(tmp_path / "plain"), tmp_path / "inductor-c", spec="eagle", temperature=1.0, aot=False)
+    assert cold["spec_steps"] > 0 and cold["stored"]["compiled"] >= 5
+    assert warm["stored"]["compiled"] == 0 and warm["traces"] == 0
+    assert warm["stored"]["loaded"] == cold["stored"]["compiled"]
+    assert cold["tokens"] == warm["tokens"] == plain["tokens"], (cold, warm, plain)
 
 
 def _fresh(tmp_path: Path, key: dict[str, object] | None = None) -> CompileCache:

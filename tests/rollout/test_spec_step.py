@@ -369,7 +369,7 @@ def test_each_step_function_compiles_once_for_every_bucket_and_draft_length(
     assert sum(lone[1:]) > 0, f"the tails ran down to a lone row: {lone}"
     assert len(ks - {0}) >= 2, f"several draft lengths were met: {ks}"
     assert engine.graph_cache is not None and engine.graph_cache.buckets[0] == 2
-    assert sorted(compiled) == sorted(["_model_step", "_model_step", "decode_update", "verify_update",
+    assert sorted(compiled) == sorted(["policy_step", "policy_step", "decode_update", "verify_update",
                                        "verify_update", "catch_up_rows", "chain_row", "draft_sample"]), compiled
     assert sum(per_call) == len(compiled), per_call  # every version Dynamo made is one of those
     assert engine.compile_failures == []

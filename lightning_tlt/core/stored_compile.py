@@ -1,0 +1,315 @@
+"""Compiled step functions whose Dynamo output is stored: a restart skips tracing, not only code generation.
+
+`lightning_tlt.core.compile_cache.CompileCache` keeps Inductor's artifacts, so a restart generates
+and compiles no kernel again; but Dynamo still traces every step function through the policy's
+layers, and that is most of what a warm restart costs (the H200, the e2e's TLT shape: about 15 of a
+warm first call's 22 s; the CPU, the 0.5 B policy's decode and verify forwards: 9.4 s of tracing).
+`StoredCompile` stands for ``torch.compile(fn, fullgraph=True, dynamic=...)`` but compiles each
+version of ``fn`` ahead of time (``torch.compile(fn).aot_compile``: the traced bytecode, its guards
+and the compiled graph, serialisable) and writes it to the compile cache directory; the next process
+loads the file and runs it without tracing.
+
+**Versions.** A call runs the first version whose guards accept its arguments (the checks Dynamo
+makes before it reuses a compile: dtypes, ranks, the sizes it specialised, constants such as the
+sampling settings, ``None`` against a tensor). When none does, a new version is compiled and stored.
+Sizes marked dynamic (``dynamic=True``, or ``dynamic_dims``) are symbolic in a version: every batch
+bucket is one version, as with ``torch.compile``. Tensors are never marked at a call (a version
+loaded from disk refuses marked tensors); ``dynamic_dims`` marks views of the first call's arguments
+when a version is compiled.
+
+**Safety.** A file holds a magic line, a JSON header (the key: the caller's, the function's name,
+torch's, Triton's and Python's versions; the SHA-256 of the payload; the SHA-256 of the source of
+every module whose code Dynamo traced into the version) and the payload. A file of another key, a
+payload whose checksum fails, a traced module whose source differs from the one installed now (an
+edited or upgraded kit or library), a file torch cannot load: one warning, the file is removed and
+the version compiled afresh; never an error, and never a stale graph run. Where torch cannot compile
+a function ahead of time (no ``aot_compile``, or it raises on the function), that function falls back
+to plain ``torch.compile`` with one warning: slower restarts, the same outputs.
+
+Off with ``LIGHTNING_TLT_COMPILE_AOT=0`` (plain ``torch.compile``; the Inductor cache stays on), or
+with the compile cache itself (``compile_cache=False``, ``LIGHTNING_TLT_COMPILE_CACHE=0``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_tlt.core.compile_cache import library_versions
+
+MAGIC = b"lightning-tlt stored compile\n"
+FORMAT = 1
+ENV_VAR = "LIGHTNING_TLT_COMPILE_AOT"
+"""``0``, ``false``, ``off`` or ``no``: compile with plain ``torch.compile`` (restarts trace again)."""
+MAX_VERSIONS = 64
+"""Versions one function may hold (the engine's recompile limit); past it, plain ``torch.compile``."""
+
+DynamicDims = Callable[..., Mapping[int, Sequence[int]]]
+"""``(*args) -> {argument index: dims}``: the sizes of a call's tensor arguments to compile as dynamic."""
+
+_STATS: dict[str, float] = {"compile_s": 0.0, "load_s": 0.0, "compiled": 0, "loaded": 0, "discarded": 0,
+                            "fell_back": 0}
+
+
+class _Held:
+    """The versions of one function and key held in this process: shared by every `StoredCompile` of them
+    (a second engine in the process runs what the first compiled or loaded, as ``torch.compile`` would)."""
+
+    def __init__(self) -> None:
+        self.versions: list[Any] = []
+        self.loaded = False
+
+
+_HELD: dict[Path, _Held] = {}
+
+
+def reset() -> None:
+    """Forget the versions held in this process (the next call loads them from disk, as a new process would)."""
+    _HELD.clear()
+
+
+def stats() -> dict[str, float]:
+    """This process's totals: ``compile_s`` (versions compiled ahead of time, tracing and code generation),
+    ``load_s`` (files read and loaded), and the counts ``compiled``, ``loaded``, ``discarded`` and
+    ``fell_back`` (functions compiled with plain ``torch.compile`` instead: their restarts trace again)."""
+    return dict(_STATS)
+
+
+def aot_enabled() -> bool:
+    """Whether versions are compiled ahead of time and stored: torch has the API and `ENV_VAR` allows it."""
+    if os.environ.get(ENV_VAR, "").strip().lower() in ("0", "false", "off", "no"):
+        return False
+    try:
+        from torch._dynamo.aot_compile import AOTCompiledFunction  # noqa: F401
+    except ImportError:  # pragma: no cover - a torch older than the API
+        return False
+    return True
+
+
+def _module_digest(name: str) -> str | None:
+    """SHA-256 of a module's source as installed now (``None``: not importable or no source)."""
+    module = sys.modules.get(name)
+    try:
+        if module is None:
+            import importlib
+
+            module = importlib.import_module(name)
+        return hashlib.sha256(inspect.getsource(module).encode()).hexdigest()
+    except (ImportError, OSError, TypeError):
+        return None
+
+
+class StoredCompile:
+    """``torch.compile(fn, fullgraph=True, dynamic=dynamic)``, its versions stored in ``directory``.
+
+    Args:
+        fn: the function (a module-level function: its name and module are part of the key).
+        directory: the compile cache directory, or ``None``: plain ``torch.compile``, nothing stored.
+        key: what the compiled code depends on besides ``fn`` and the library versions (model shapes,
+            dtype, device...), JSON-serialisable.
+        dynamic: ``torch.compile``'s ``dynamic``.
+        dynamic_dims: which sizes of a call's tensors to compile as dynamic (`DynamicDims`).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        directory: Path | None,
+        key: Mapping[str, Any] | None = None,
+        dynamic: bool | None = None,
+        dynamic_dims: DynamicDims | None = None,
+    ) -> None:
+        self.fn = fn
+        self.name = f"{fn.__module__}.{fn.__qualname__}"
+        self.dynamic = dynamic
+        self.dynamic_dims = dynamic_dims
+        self.key = {**dict(key or {}), "function": self.name, "versions": library_versions(), "format": FORMAT}
+        digest = hashlib.sha256(json.dumps(self.key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        self.folder = None if directory is None else Path(directory) / "aot" / f"{fn.__name__}-{digest}"
+        self._plain: Callable[..., Any] | None = None
+        if self.folder is None or not aot_enabled():
+            self._plain = torch.compile(fn, fullgraph=True, dynamic=dynamic)
+        self._held = _Held() if self.folder is None else _HELD.setdefault(self.folder, _Held())
+
+    @property
+    def stored(self) -> bool:
+        """Whether versions are compiled ahead of time and stored (else plain ``torch.compile``)."""
+        return self._plain is None
+
+    @property
+    def num_versions(self) -> int:
+        """Versions held in this process (loaded or compiled)."""
+        return len(self._held.versions)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._plain is not None:
+            self._mark(args, in_place=True)
+            return self._plain(*args, **kwargs)
+        version = self._find(args, kwargs)
+        if version is None and not self._held.loaded:
+            self._load()
+            version = self._find(args, kwargs)
+        if version is None:
+            version = self._compile(args, kwargs)
+            if version is None:  # fell back to plain torch.compile
+                return self(*args, **kwargs)
+        return version(*args, **kwargs)
+
+    def _find(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        for version in self._held.versions:
+            if version.guard_check(*args, **kwargs):
+                return version
+        return None
+
+    def _mark(self, args: tuple[Any, ...], in_place: bool) -> tuple[Any, ...]:
+        """``args`` with the `dynamic_dims` marked: on the tensors themselves, or on views of them."""
+        if self.dynamic_dims is None:
+            return args
+        out = list(args)
+        for index, dims in self.dynamic_dims(*args).items():
+            if dims:
+                tensor = out[index] if in_place else out[index].view(out[index].shape)
+                torch._dynamo.maybe_mark_dynamic(tensor, list(dims))
+                out[index] = tensor
+        return tuple(out)
+
+    # ------------------------------------------------------------------ compile and store
+    def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if len(self._held.versions) >= MAX_VERSIONS:
+            return self._fall_back(f"more than {MAX_VERSIONS} versions")
+        start = time.perf_counter()
+        try:
+            # floats specialised: a float argument made a tensor asks Dynamo to restart its analysis, which the
+            # ahead-of-time path cannot (the sampling settings are constants of a run anyway). No automatic
+            # dynamic shapes: what Dynamo remembers of earlier compiles of the same code made later versions'
+            # guards reject the very arguments they were compiled for (`size()` of an argument that is None),
+            # and a first process sampled one token other than its restart did (CPU, T=1) until it was off;
+            # the dynamic sizes are the ones asked for (``dynamic``, `DynamicDims`), in every version.
+            with torch._dynamo.config.patch(enable_aot_compile=True, specialize_float=True,
+                                            automatic_dynamic_shapes=False):
+                # made under the flag: torch 2.11 gives the wrapper its `aot_compile` only when it is on
+                compiled = torch.compile(self.fn, fullgraph=True, dynamic=self.dynamic)
+                version = compiled.aot_compile((self._mark(args, in_place=False), kwargs))  # type: ignore[attr-defined]
+        except Exception as err:  # noqa: BLE001 - whatever the AOT path cannot do, plain torch.compile may
+            return self._fall_back(repr(err))
+        finally:
+            _STATS["compile_s"] += time.perf_counter() - start
+        version.disable_guard_check()  # `_find` checked them
+        self._held.versions.append(version)
+        _STATS["compiled"] += 1
+        self._store(version)
+        return version
+
+    def _fall_back(self, why: str) -> None:
+        warnings.warn(f"could not compile {self.name} ahead of time ({why}); compiling it with torch.compile "
+                      "(a restart traces it again)", stacklevel=4)
+        self._plain = torch.compile(self.fn, fullgraph=True, dynamic=self.dynamic)
+        _STATS["fell_back"] += 1
+        return None
+
+    def _store(self, version: Any) -> None:
+        """Write ``version`` to its file (atomically); a version that cannot be stored only costs the next start."""
+        assert self.folder is not None
+        try:
+            payload = type(version).serialize(version).serialized_data
+            modules = sorted({s.module for s in version.source_info().inlined_sources})
+            # the guards must load in this torch (2.11 pickled some guard sources it could not read back)
+            import pickle
+
+            pickle.loads(version._artifacts.guards_state)
+        except Exception as err:  # noqa: BLE001 - not stored: the next process compiles this version again
+            warnings.warn(f"could not store a compiled version of {self.name} ({err!r})", stacklevel=4)
+            return
+        sources = {name: _module_digest(name) for name in modules}
+        digest = hashlib.sha256(payload).hexdigest()
+        header = {"key": self.key, "sources": sources, "bytes": len(payload), "sha256": digest}
+        path = self.folder / f"{digest[:16]}.bin"
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=path.name, suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(MAGIC + json.dumps(header, default=str).encode() + b"\n" + payload)
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, path)
+            except OSError:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        except OSError as err:
+            warnings.warn(f"could not write {path}: {err}", stacklevel=4)
+
+    # ------------------------------------------------------------------ load
+    def _load(self) -> None:
+        """Load every stored version of this function (once per object), oldest first."""
+        self._held.loaded = True
+        if self.folder is None or not self.folder.is_dir():
+            return
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+
+        start = time.perf_counter()
+        for path in sorted(self.folder.glob("*.bin"), key=lambda p: (p.stat().st_mtime, p.name)):
+            try:
+                payload = self._read(path)
+                version = AOTCompiledFunction.deserialize(payload, self.fn.__globals__)
+            except Exception as err:  # noqa: BLE001 - a file this process cannot use is rebuilt, never fatal
+                self._discard(path, err)
+                continue
+            version.disable_guard_check()
+            self._held.versions.append(version)
+            _STATS["loaded"] += 1
+        _STATS["load_s"] += time.perf_counter() - start
+
+    def _read(self, path: Path) -> bytes:
+        data = path.read_bytes()
+        if not data.startswith(MAGIC):
+            raise ValueError("not a stored compile file")
+        end = data.index(b"\n", len(MAGIC))
+        header = json.loads(data[len(MAGIC) : end])
+        if header.get("key") != json.loads(json.dumps(self.key, default=str)):
+            raise ValueError("written for another model, device or library version")
+        payload = data[end + 1 :]
+        if len(payload) != int(header["bytes"]) or hashlib.sha256(payload).hexdigest() != header["sha256"]:
+            raise ValueError("truncated or corrupt (checksum mismatch)")
+        stale = [name for name, digest in header["sources"].items() if _module_digest(name) != digest]
+        if stale:
+            raise ValueError(f"compiled from other source code of {', '.join(stale)}")
+        return payload
+
+    def _discard(self, path: Path, why: BaseException) -> None:
+        _STATS["discarded"] += 1
+        warnings.warn(f"stored compile {path} is unusable ({why}); compiling afresh and replacing it", stacklevel=5)
+        path.unlink(missing_ok=True)
+
+
+class CompileStore:
+    """Where a layout's compiled step functions are stored: one directory and one key for all of them.
+
+    Args:
+        directory: the compile cache directory (``None``: plain ``torch.compile``, nothing stored).
+        key: what the compiled code depends on (model shapes, dtype, device, attention backend...).
+    """
+
+    def __init__(self, directory: Path | None, key: Mapping[str, Any] | None = None) -> None:
+        self.directory = directory
+        self.key = dict(key or {})
+
+    def compile(
+        self, fn: Callable[..., Any], *, dynamic: bool | None = None, dynamic_dims: DynamicDims | None = None
+    ) -> StoredCompile:
+        """``fn`` compiled (see `StoredCompile`)."""
+        return StoredCompile(fn, directory=self.directory, key=self.key, dynamic=dynamic, dynamic_dims=dynamic_dims)
+
+
+__all__ = ["ENV_VAR", "CompileStore", "DynamicDims", "StoredCompile", "aot_enabled", "reset", "stats"]

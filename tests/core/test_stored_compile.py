@@ -1,0 +1,174 @@
+"""Compiled versions stored on disk: a round trip without tracing, dispatch by guards, bad files rebuilt."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import compilation_time_metrics
+
+from lightning_tlt.core import stored_compile
+from lightning_tlt.core.stored_compile import MAGIC, CompileStore, StoredCompile
+
+pytestmark = pytest.mark.skipif(not stored_compile.aot_enabled(), reason="torch without aot_compile")
+
+
+def scaled_softmax(x: torch.Tensor, scale: float, bias: torch.Tensor | None) -> torch.Tensor:
+    """A step-like function: a float constant, an optional tensor, a reduction."""
+    y = x * scale
+    if bias is not None:
+        y = y + bias
+    return torch.softmax(y, dim=-1)
+
+
+def _traces() -> int:
+    """Dynamo traces made in this process so far (the plain path's counter: ahead-of-time versions add none)."""
+    return len(compilation_time_metrics.get("_compile.compile_inner", ()))
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted((directory / "aot").glob("scaled_softmax-*/*.bin"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process() -> None:
+    stored_compile.reset()
+
+
+def _store(directory: Path, *, restart: bool = False, **key: object) -> StoredCompile:
+    """``scaled_softmax`` stored under ``directory``; ``restart``: as a new process would (nothing held)."""
+    if restart:
+        stored_compile.reset()
+    return CompileStore(directory, {"model": "toy", **key}).compile(scaled_softmax, dynamic_dims=lambda x, *_: {0: [0]})
+
+
+def test_a_new_process_object_loads_the_stored_version_and_runs_it_without_tracing(tmp_path: Path) -> None:
+    x, bias = torch.randn(5, 7), torch.randn(7)
+    first = _store(tmp_path)
+    before = dict(stored_compile.stats())
+    torch.testing.assert_close(first(x, 0.5, bias), scaled_softmax(x, 0.5, bias))
+    assert stored_compile.stats()["compiled"] == before["compiled"] + 1
+    (path,) = _files(tmp_path)
+    data = path.read_bytes()
+    assert data.startswith(MAGIC)
+    header = json.loads(data[len(MAGIC) : data.index(b"\n", len(MAGIC))])
+    assert header["key"]["model"] == "toy" and header["key"]["versions"]["torch"] == torch.__version__
+    assert f"{__name__}" in header["sources"]  # the traced module's source digest
+
+    second, traces = _store(tmp_path, restart=True), _traces()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = second(torch.randn(9, 7), 0.5, bias)  # another row count: the stored version's rows are dynamic
+    assert out.shape == (9, 7) and torch.allclose(out.sum(-1), torch.ones(9))
+    assert second.num_versions == 1 and stored_compile.stats()["loaded"] == before["loaded"] + 1
+    assert stored_compile.stats()["compiled"] == before["compiled"] + 1  # nothing compiled again
+    assert _traces() == traces
+
+
+def test_arguments_a_version_does_not_accept_compile_a_second_version_and_both_are_stored(tmp_path: Path) -> None:
+    # an earlier compile of the same code in this process (automatic dynamic shapes once made the later
+    # versions' guards reject their own arguments: each call compiled again, and a restart too)
+    _store(tmp_path / "earlier")(torch.randn(5, 7), 0.5, torch.randn(7))
+    store = _store(tmp_path)
+    x = torch.randn(4, 7)
+    ref_none = store(x, 0.5, None)  # no bias: a version of its own
+    ref_bias = store(x, 0.5, torch.ones(7))
+    ref_scale = store(x, 2.0, None)  # floats are specialised: another constant is another version
+    assert store(x, 0.5, None) is not None and store.num_versions == 3 and len(_files(tmp_path)) == 3
+    loaded = _store(tmp_path, restart=True)
+    torch.testing.assert_close(loaded(x, 0.5, None), ref_none)
+    torch.testing.assert_close(loaded(x, 0.5, torch.ones(7)), ref_bias)
+    torch.testing.assert_close(loaded(x, 2.0, None), ref_scale)
+    assert loaded.num_versions == 3  # each call found its own version among the loaded ones
+    torch.testing.assert_close(ref_scale, scaled_softmax(x, 2.0, None))
+
+
+def _flip_payload(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _rewrite_header(path: Path, change: str) -> None:
+    data = path.read_bytes()
+    end = data.index(b"\n", len(MAGIC))
+    header = json.loads(data[len(MAGIC) : end])
+    if change == "stale":
+        header["sources"][__name__] = "0" * 64  # compiled from other source code of this module
+    else:
+        header["key"]["model"] = "another"  # a file of another model copied into this folder
+    path.write_bytes(MAGIC + json.dumps(header).encode() + data[end:])
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "stale", "foreign", "garbage"])
+def test_a_bad_file_is_rebuilt_with_one_warning_and_the_right_output(tmp_path: Path, damage: str) -> None:
+    x, bias = torch.randn(3, 7), torch.randn(7)
+    _store(tmp_path)(x, 1.5, bias)
+    (path,) = _files(tmp_path)
+    if damage == "corrupt":
+        _flip_payload(path)
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:-100])
+    elif damage == "garbage":
+        path.write_bytes(b"not a compiled function")
+    else:
+        _rewrite_header(path, damage)
+    before = dict(stored_compile.stats())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _store(tmp_path, restart=True)(x, 1.5, bias)
+    torch.testing.assert_close(out, scaled_softmax(x, 1.5, bias))
+    messages = [str(w.message) for w in caught if "stored compile" in str(w.message)]
+    assert len(messages) == 1 and "compiling afresh" in messages[0], [str(w.message) for w in caught]
+    assert stored_compile.stats()["discarded"] == before["discarded"] + 1
+    assert stored_compile.stats()["compiled"] == before["compiled"] + 1
+    (rebuilt,) = _files(tmp_path)  # the bad file replaced by a good one
+    assert _store(tmp_path, restart=True)(x, 1.5, bias) is not None and stored_compile.stats()["discarded"] == before["discarded"] + 1
+
+
+def test_another_key_or_library_version_uses_another_folder(tmp_path: Path) -> None:
+    a = _store(tmp_path, dtype="float32")
+    held = _store(tmp_path, dtype="float32")  # the same function and key: one set of versions in a process
+    a(torch.randn(2, 7), 1.0, None)
+    assert held.num_versions == a.num_versions == 1
+    b = _store(tmp_path, dtype="bfloat16")
+    assert a.folder is not None and b.folder is not None and a.folder != b.folder
+    assert a.folder.parent == tmp_path / "aot" and a.folder.name.startswith("scaled_softmax-")
+
+
+def test_off_by_the_environment_or_without_a_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(2, 7)
+    assert not CompileStore(None).compile(scaled_softmax).stored
+    monkeypatch.setenv(stored_compile.ENV_VAR, "0")
+    plain = _store(tmp_path)
+    assert not plain.stored
+    torch.testing.assert_close(plain(x, 1.0, None), scaled_softmax(x, 1.0, None))
+    assert not (tmp_path / "aot").exists()
+
+
+def test_the_compiled_wrapper_is_made_under_the_flag_that_gives_it_aot_compile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch 2.11 (the GPU machines' build) attaches `aot_compile` to the wrapper only when Dynamo's
+    # `enable_aot_compile` is on as `torch.compile` is called; made outside the flag, every step function
+    # fell back to plain torch.compile on the H100 (2026-12-06) and restarts traced as before
+    real = torch.compile
+
+    def compile_as_211(fn: object, **kwargs: object) -> object:
+        wrapped = real(fn, **kwargs)  # type: ignore[call-overload]
+        if torch._dynamo.config.enable_aot_compile:
+            return wrapped
+        return lambda *args, **kw: wrapped(*args, **kw)  # no aot_compile attribute
+
+    monkeypatch.setattr(torch, "compile", compile_as_211)
+    before = stored_compile.stats()
+    x = torch.randn(5, 7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fall-back warns
+        torch.testing.assert_close(_store(tmp_path)(x, 0.5, None), scaled_softmax(x, 0.5, None))
+    after = stored_compile.stats()
+    assert after["fell_back"] == before["fell_back"] and after["compiled"] == before["compiled"] + 1
+    assert len(_files(tmp_path)) == 1
