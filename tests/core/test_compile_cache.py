@@ -13,8 +13,12 @@ from typing import Any, cast
 import pytest
 import torch
 
+from lightning_tlt.core import stored_compile
 from lightning_tlt.core.compile_cache import MAGIC, CompileCache, resolve_cache_dir
 from lightning_tlt.core.stored_compile import ENV_VAR
+from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig
+from lightning_tlt.models.zoo import build_model
+from lightning_tlt.rollout.engine import RolloutEngine
 
 ENGINE_RUN = """
 import json, sys, torch
@@ -90,6 +94,43 @@ def test_speculative_rollouts_are_token_identical_cold_restarted_and_with_plain_
     assert warm["stored"]["compiled"] == 0 and warm["traces"] == 0
     assert warm["stored"]["loaded"] == cold["stored"]["compiled"]
     assert cold["tokens"] == warm["tokens"] == plain["tokens"], (cold, warm, plain)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not stored_compile.aot_enabled(), reason="torch without aot_compile")
+def test_stored_steps_compile_one_version_per_use_and_a_restart_loads_them_all(tmp_path: Path) -> None:
+    # the stored path compiles without Dynamo's automatic dynamic shapes, so a size the engine does not
+    # mark dynamic would make a version per value: the e2e's shape of calls (suffix drafter, then EAGLE,
+    # several batch buckets and draft lengths) must compile the eight versions plain compile makes
+    # (tests/rollout/test_spec_step.py), none after the calls that first meet them, and a restart none
+    from lightning_tlt.drafters.eagle import EagleDrafter
+
+    def run() -> list[float]:
+        policy = build_model("qwen2", "tiny", seed=0)
+        engine = RolloutEngine(policy, max_batch_size=32, max_seq_len=200, compile=True, use_cuda_graphs=False,
+                               speculative=SpeculativeConfig(method="suffix", threshold=16),
+                               compile_cache=str(tmp_path / "compile"))  # fmt: skip
+        assert engine.tuner is not None
+        engine.tuner.cost_model = lambda k, rows: 1e-3 * (1 + 0.1 * k)
+        prompts = [[3, 17, 25, 9, 40, 11][: 3 + i % 4] for i in range(8)]
+        compiled = []
+        for call in range(5):
+            if call == 2:
+                engine.set_drafter(EagleDrafter.from_target(policy, generator=torch.Generator().manual_seed(1)))
+            before = stored_compile.stats()["compiled"]
+            sampling = SamplingConfig(temperature=1.0, max_new_tokens=60 + 30 * (call % 3), stop_token_ids=[5])
+            engine.generate(prompts, sampling, num_samples=4, generator=torch.Generator().manual_seed(30 + call))
+            compiled.append(stored_compile.stats()["compiled"] - before)
+        assert engine.compile_failures == []
+        return compiled
+
+    stored_compile.reset()
+    start = stored_compile.stats()
+    assert run() == [4, 0, 4, 0, 0]
+    stored_compile.reset()  # as a restart: nothing held, everything on disk
+    assert run() == [0, 0, 0, 0, 0]
+    end = stored_compile.stats()
+    assert end["loaded"] - start["loaded"] == 8 and end["fell_back"] == start["fell_back"]
 
 
 def _fresh(tmp_path: Path, key: dict[str, object] | None = None) -> CompileCache:
