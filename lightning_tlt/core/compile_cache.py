@@ -26,7 +26,7 @@ import os
 import platform
 import tempfile
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,36 @@ def device_key(device: torch.device) -> str:
     return f"{torch.cuda.get_device_name(device)} sm_{major}{minor}"
 
 
+def write_framed(path: Path, magic: bytes, header: Mapping[str, Any], payloads: Sequence[bytes]) -> None:
+    """Write ``magic``, ``header`` as one JSON line, then ``payloads``, atomically (a temporary file renamed
+    over ``path``: a reader never sees half a file). Raises ``OSError``; no temporary file is left behind."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(magic + json.dumps(header, default=str).encode() + b"\n")
+            for payload in payloads:
+                f.write(payload)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_framed(path: Path, magic: bytes, key: Mapping[str, Any], what: str) -> tuple[dict[str, Any], bytes]:
+    """A file `write_framed` wrote: its header and the bytes after it. Raises ``ValueError`` if it is not a
+    ``what`` file or its header's key is not ``key`` (``OSError``, ``json.JSONDecodeError`` as they come)."""
+    data = path.read_bytes()
+    if not data.startswith(magic):
+        raise ValueError(f"not a {what} file")
+    end = data.index(b"\n", len(magic))
+    header = json.loads(data[len(magic) : end])
+    if header.get("key") != json.loads(json.dumps(key, default=str)):
+        raise ValueError("written for another model, device or library version")
+    return header, data[end + 1 :]
+
+
 class CompileCache:
     """One cache file for one key.
 
@@ -131,16 +161,10 @@ class CompileCache:
         return True
 
     def _read(self) -> list[bytes]:
-        data = self.path.read_bytes()
-        if not data.startswith(MAGIC):
-            raise ValueError("not a compile cache file")
-        end = data.index(b"\n", len(MAGIC))
-        header = json.loads(data[len(MAGIC) : end])
-        if header.get("key") != json.loads(json.dumps(self.key, default=str)):
-            raise ValueError("written for another model, device or library version")
-        blobs, at = [], end + 1
+        header, body = read_framed(self.path, MAGIC, self.key, "compile cache")
+        blobs, at = [], 0
         for i, meta in enumerate(header["blobs"]):
-            blob = data[at : at + int(meta["bytes"])]
+            blob = body[at : at + int(meta["bytes"])]
             at += len(blob)
             if len(blob) != int(meta["bytes"]) or hashlib.sha256(blob).hexdigest() != meta["sha256"]:
                 raise ValueError(f"blob {i} is truncated or corrupt (checksum mismatch)")
@@ -168,21 +192,16 @@ class CompileCache:
         new = result[0]
         blobs = [b for b in self._blobs if b != new][-(MAX_BLOBS - 1) :] + [new]
         header = {"key": self.key, "blobs": [{"bytes": len(b), "sha256": hashlib.sha256(b).hexdigest()} for b in blobs]}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(MAGIC + json.dumps(header, default=str).encode() + b"\n")
-                for blob in blobs:
-                    f.write(blob)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, self.path)
+            write_framed(self.path, MAGIC, header, blobs)
         except OSError as err:
-            Path(tmp).unlink(missing_ok=True)
             warnings.warn(f"could not write the compile cache {self.path}: {err}", stacklevel=2)
             return False
         self._blobs = blobs
         return True
 
 
-__all__ = ["CompileCache", "default_cache_dir", "device_key", "library_versions", "resolve_cache_dir"]
+__all__ = [
+    "CompileCache", "default_cache_dir", "device_key", "library_versions", "read_framed", "resolve_cache_dir",
+    "write_framed",
+]

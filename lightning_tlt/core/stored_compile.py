@@ -37,7 +37,6 @@ import inspect
 import json
 import os
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -46,7 +45,7 @@ from typing import Any
 
 import torch
 
-from lightning_tlt.core.compile_cache import library_versions
+from lightning_tlt.core.compile_cache import library_versions, read_framed, write_framed
 
 MAGIC = b"lightning-tlt stored compile\n"
 FORMAT = 1
@@ -237,22 +236,13 @@ class StoredCompile:
         header = {"key": self.key, "sources": sources, "bytes": len(payload), "sha256": digest}
         path = self.folder / f"{digest[:16]}.bin"
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=path.name, suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(MAGIC + json.dumps(header, default=str).encode() + b"\n" + payload)
-                os.chmod(tmp, 0o644)
-                os.replace(tmp, path)
-            except OSError:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            write_framed(path, MAGIC, header, [payload])
         except OSError as err:
             warnings.warn(f"could not write {path}: {err}", stacklevel=4)
 
     # ------------------------------------------------------------------ load
     def _load(self) -> None:
-        """Load every stored version of this function (once per object), oldest first."""
+        """Load every stored version of this function (once per process and folder), oldest first."""
         self._held.loaded = True
         if self.folder is None or not self.folder.is_dir():
             return
@@ -272,14 +262,7 @@ class StoredCompile:
         _STATS["load_s"] += time.perf_counter() - start
 
     def _read(self, path: Path) -> bytes:
-        data = path.read_bytes()
-        if not data.startswith(MAGIC):
-            raise ValueError("not a stored compile file")
-        end = data.index(b"\n", len(MAGIC))
-        header = json.loads(data[len(MAGIC) : end])
-        if header.get("key") != json.loads(json.dumps(self.key, default=str)):
-            raise ValueError("written for another model, device or library version")
-        payload = data[end + 1 :]
+        header, payload = read_framed(path, MAGIC, self.key, "stored compile")
         if len(payload) != int(header["bytes"]) or hashlib.sha256(payload).hexdigest() != header["sha256"]:
             raise ValueError("truncated or corrupt (checksum mismatch)")
         stale = [name for name, digest in header["sources"].items() if _module_digest(name) != digest]
