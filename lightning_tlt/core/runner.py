@@ -150,8 +150,19 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def decoder_layer(
+    layer: HFModule, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, k_cache: Tensor | None,
+    v_cache: Tensor | None, **options: Any,
+) -> Tensor:
+    """One HF-named pre-norm decoder layer over a slot-indexed KV cache: `decoder_layer_split` (whose keyword
+    options ``options`` are) without a residual to add first, its two outputs summed."""
+    x, mlp_out = decoder_layer_split(layer, x, None, cos, sin, positions, k_cache, v_cache, **options)
+    return x + mlp_out
+
+
+def decoder_layer_split(
     layer: HFModule,
     x: Tensor,
+    delta: Tensor | None,
     cos: Tensor,
     sin: Tensor,
     positions: Tensor,
@@ -167,13 +178,20 @@ def decoder_layer(
     hole: Tensor | None = None,
     mask: Tensor | None = None,
     fused: FusedProjections | None = None,
-) -> Tensor:
-    """One HF-named pre-norm decoder layer over a slot-indexed KV cache.
+) -> tuple[Tensor, Tensor]:
+    """One HF-named pre-norm decoder layer over a slot-indexed KV cache, its residual stream split in two.
+
+    The layer's input is ``x + delta`` (``delta`` ``None``: ``x``) and its output the sum of the two
+    tensors returned: the stream after attention, and the MLP's output. A layer compiled on its own
+    (the engine's regional compile, `lightning_tlt.rollout.steps.PolicyRegions`) thus adds the
+    previous layer's MLP output inside the same kernel as its own input norm, as one graph over every
+    layer would.
 
     Args:
         layer: an HF decoder layer (Llama/Qwen2/Qwen3 names); a missing ``input_layernorm`` is the
             identity (EAGLE's first drafter layer).
         x: ``(B, q, H)`` input hidden states of rows ``0..B-1`` (= cache slots ``0..B-1``).
+        delta: ``(B, q, H)`` added to ``x`` first (the previous layer's MLP output), or ``None``.
         cos, sin: ``(B, q, hd)`` RoPE tables of ``positions``.
         positions: ``(B, q)`` absolute positions; the new K/V are written there.
         k_cache, v_cache: ``(S, T, n_kv, hd)`` with ``S >= B``; written in place. ``None`` with
@@ -187,8 +205,10 @@ def decoder_layer(
             (rows packing several sequences), or ``None``.
 
     Returns:
-        ``(B, q, H)`` output hidden states.
+        two ``(B, q, H)``: the stream after attention and the MLP's output (their sum: the layer's output).
     """
+    if delta is not None:
+        x = x + delta
     bsz, q_len, _ = x.shape
     attn = layer.self_attn
     norm_in = getattr(layer, "input_layernorm", None)
@@ -226,8 +246,8 @@ def decoder_layer(
     mlp = layer.mlp
     if fused is not None:  # one GEMM for gate and up
         gate, up = F.linear(h, fused.gate_up_weight, fused.gate_up_bias).chunk(2, -1)
-        return x + _linear(F.silu(gate) * up, mlp.down_proj)
-    return x + _linear(F.silu(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)
+        return x, _linear(F.silu(gate) * up, mlp.down_proj)
+    return x, _linear(F.silu(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)
 
 
 class FusedProjections:

@@ -35,11 +35,13 @@ from lightning_tlt.rollout.scheduler import Request
 from lightning_tlt.rollout.slot_state import SlotState
 from lightning_tlt.rollout.spec_step import SpeculativeStep, StepContext
 from lightning_tlt.rollout.steps import (
+    PolicyRegions,
     SamplingKey,
     allow_recompiles,
     compile_settings,
     decode_update,
     policy_step,
+    regions_enabled,
     rows_dynamic,
 )
 
@@ -91,8 +93,10 @@ class StepRunner(DrafterHosting):
             # one version of each step function for every batch bucket and draft length: the forward's
             # rows (and a verify's tokens per row) are dynamic (`rows_dynamic`), the updates are dynamic
             # throughout; the forward has two versions, decode (one token a row, which Dynamo
-            # specialises) and verify. Each version is stored: a restart loads it without tracing.
-            self._forward = store.compile(policy_step, dynamic_dims=rows_dynamic)
+            # specialises) and verify. Each version is stored: a restart loads it without tracing. By region
+            # (the default), one decoder layer is compiled, which every layer runs.
+            self._forward = PolicyRegions(store) if regions_enabled() else store.compile(
+                policy_step, dynamic_dims=rows_dynamic)
             self._decode_update = store.compile(decode_update, dynamic=True)
         if self._spec_on:
             self._spec_step = SpeculativeStep(self.max_draft_tokens, self._vocab, compiler=store,

@@ -338,9 +338,10 @@ def test_each_step_function_compiles_once_for_every_bucket_and_draft_length(
     # measured on the H200 (issue 29): the e2e's first RL step traced the 24-layer policy three times
     # (static batch, then dynamic, then a verify) and compiled 55 graphs' worth of versions in 108 s.
     # Now each step function has one version for every batch bucket and draft length, compiled on its
-    # first use: the forward two (a decode's one token a row, which Dynamo specialises, and a verify's
-    # k + 1), the verify update two (a host drafter's drafts without probabilities, EAGLE's with), the
-    # others one; the calls after the ones that first met them compile nothing
+    # first use: the forward's regions two each (a decode's one token a row, which Dynamo specialises,
+    # and a verify's k + 1; the layer twice that: the first layer, and the one version every other
+    # layer runs), the verify update two (a host drafter's drafts without probabilities, EAGLE's with),
+    # the others one; the calls after the ones that first met them compile nothing
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -369,8 +370,9 @@ def test_each_step_function_compiles_once_for_every_bucket_and_draft_length(
     assert sum(lone[1:]) > 0, f"the tails ran down to a lone row: {lone}"
     assert len(ks - {0}) >= 2, f"several draft lengths were met: {ks}"
     assert engine.graph_cache is not None and engine.graph_cache.buckets[0] == 2
-    assert sorted(compiled) == sorted(["policy_step", "policy_step", "decode_update", "verify_update",
-                                       "verify_update", "catch_up_rows", "chain_row", "draft_sample"]), compiled
+    regions = ["policy_embed"] * 2 + ["policy_layer"] * 4 + ["policy_head"] * 2
+    assert sorted(compiled) == sorted([*regions, "decode_update", "verify_update", "verify_update",
+                                       "catch_up_rows", "chain_row", "draft_sample"]), compiled
     assert sum(per_call) == len(compiled), per_call  # every version Dynamo made is one of those
     assert engine.compile_failures == []
 
