@@ -49,19 +49,22 @@ def add_common_flags(
         p.add_argument("--smoke", action="store_true", help=_SMOKE_HELP if smoke is True else smoke)
 
 
-def write_results(results: dict[str, Any], benchmark: str, *, smoke: bool, cuda: bool, out: str | None = None) -> Path:
+def write_results(
+    results: dict[str, Any], benchmark: str, *, smoke: bool, cuda: bool, out: str | None = None, quiet: bool = False
+) -> Path:
     """Write a benchmark's JSON and say where: to ``out`` when given, else to
     ``benchmarks/results/<benchmark>_<card>_<date>.json`` (card ``h200``, ``cuda`` or ``cpu``, from
     ``results["card"]``; date from ``results["date"]``), or for a smoke run to
     ``benchmarks/results/smoke/<benchmark>_smoke.json`` (git-ignored: a smoke run never touches the
-    recorded results)."""
+    recorded results). ``quiet``: without the line (a partial write a benchmark repeats)."""
     card = "h200" if "H200" in str(results.get("card", "")) else ("cuda" if cuda else "cpu")
     date = str(results["date"])[:10].replace("-", "")
     name = f"{benchmark}_smoke.json" if smoke else f"{benchmark}_{card}_{date}.json"
     path = Path(out) if out else ROOT / "benchmarks" / "results" / ("smoke" if smoke else "") / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1, default=float))
-    print(f"wrote {path}", flush=True)
+    if not quiet:
+        print(f"wrote {path}", flush=True)
     return path
 
 

@@ -7,15 +7,26 @@ configuration ``tlt``; ``--no-spec`` is ``nospec``), and runs a first ``generate
 below the gate's threshold so speculation turns on, then a second, steady call of the same size.
 It reports the first call's wall time split into Dynamo tracing, Inductor compiling, graph capture
 and the rest, the number of graphs captured, and the steady call's time. The parent runs the child
-twice on one compile cache directory: cold (empty) and warm (a restart of the same run), and by
-default (``--stored both``) does so twice, side by side: with the engine's stored compiled steps
-(`lightning_tlt.core.stored_compile`: a restart loads them and traces nothing) and without them
-(``LIGHTNING_TLT_COMPILE_AOT=0``: plain ``torch.compile`` over the run's Inductor cache, runs named
-``<config>_plain``). ``ratios`` holds plain over stored for the warm restart and stored over plain
-for the cold first call; ``summary.<config>_tokens_equal`` says whether every process sampled the
-same tokens.
+twice on one compile cache directory: cold (empty) and warm (a restart of the same run), once per
+arm of ``--arms``, side by side:
 
-GPU: ``python benchmarks/cold_start.py`` (about 3-5 minutes). CPU smoke: ``--smoke``.
+- ``regions`` (runs named ``<config>``): the engine's defaults: the policy's forward compiled by
+  region (`lightning_tlt.rollout.steps.PolicyRegions`: one decoder layer compiled, which every layer
+  runs) and every compiled version stored (`lightning_tlt.core.stored_compile`: a restart loads them
+  and traces nothing);
+- ``whole`` (``<config>_whole``): the forward compiled as one graph over every layer
+  (``LIGHTNING_TLT_COMPILE_REGIONS=0``), stored;
+- ``plain`` (``<config>_plain``): regions, with plain ``torch.compile`` over the run's Inductor cache
+  (``LIGHTNING_TLT_COMPILE_AOT=0``: a restart traces again).
+
+``ratios`` holds, per configuration, each other arm's first call over the ``regions`` arm's, cold and
+warm (``<config>_cold_whole_over_regions``, ``<config>_warm_plain_over_regions``...); the b1
+configuration also times steady decode steps at batch 1 and 64 (``steady_ms_per_step``), so a faster
+compile is never bought with slower steps unseen. ``summary.<config>_tokens_equal`` says whether
+every process of a configuration sampled the same tokens. The JSON is written after every process,
+so a call cut short keeps what it measured.
+
+GPU: ``python benchmarks/cold_start.py --configs b1,tlt`` (about 6-9 minutes). CPU smoke: ``--smoke``.
 """
 
 from __future__ import annotations
@@ -91,7 +102,29 @@ def child_b1(args: argparse.Namespace) -> dict[str, Any]:
             "more_wall_s": more, "more_captures": captures,
             "capture_s_per_graph": pure / captures if captures else None,
             "compile_s_in_more": stats1["compile_time_s"] - stats0["compile_time_s"],
+            "steady_ms_per_step": steady_steps(engine, vocab, [1, min(64, args.slots)], device, args.steady_tokens),
             "stored_compile": stored_compile.stats()}
+
+
+def steady_steps(engine: RolloutEngine, vocab: int, batches: list[int], device: torch.device,
+                 tokens: int) -> dict[str, float]:
+    """Milliseconds per decode step at each batch, once compiled and captured: a call of ``tokens`` new tokens
+    a row run once to capture its profiles, then timed (its prefill of 8 tokens a row included)."""
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=tokens, stop_token_ids=[])
+    out: dict[str, float] = {}
+    for b in batches:
+        prompts = torch.randint(3, vocab, (b, 8), generator=torch.Generator().manual_seed(100 + b)).tolist()
+        times = []
+        for _ in range(2):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.generate(prompts, cfg, generator=torch.Generator().manual_seed(2))
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        out[f"b{b}"] = 1000 * times[-1] / tokens
+    return out
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
@@ -159,10 +192,22 @@ def main() -> None:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--configs", default="nospec,tlt", help="which of nospec,tlt,b1 to run")
     parser.add_argument("--b1", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--stored", choices=("both", "on", "off"), default="both",
-                        help="the stored compiled steps on, off (LIGHTNING_TLT_COMPILE_AOT=0), or both side by side")
+    parser.add_argument("--arms", default="regions,whole",
+                        help=f"which of {','.join(ARMS)} to measure side by side (see the module docstring)")
+    parser.add_argument("--warm-arms", default=None,
+                        help="the arms also restarted warm (default: every arm of --arms); the others run cold only")
+    parser.add_argument("--resume", default=None, metavar="JSON",
+                        help="a report of this script cut short: keep its runs, measure the ones it lacks")
+    parser.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
+    parser.add_argument("--steady-tokens", type=int, default=128, help="tokens a row of b1's timed steady calls")
     add_common_flags(parser)
     args = parser.parse_args()
+    for flag in ("arms", "warm_arms"):
+        unknown = [arm for arm in (getattr(args, flag) or "").split(",") if arm and arm not in ARMS]
+        if unknown:
+            parser.error(f"--{flag.replace('_', '-')}: unknown {unknown}; allowed: {list(ARMS)}")
+    if args.resume is not None and not os.path.isfile(args.resume):
+        parser.error(f"--resume: no such file {args.resume!r}")
     if args.child:
         print("RESULT " + json.dumps(child_b1(args) if args.b1 else child(args), default=float), flush=True)
         return
@@ -170,31 +215,59 @@ def main() -> None:
     write_results(results, "cold_start", smoke=args.smoke, cuda=torch.cuda.is_available(), out=args.out)
 
 
+ARMS = {
+    "regions": ("", {"LIGHTNING_TLT_COMPILE_AOT": "1", "LIGHTNING_TLT_COMPILE_REGIONS": "1"}),
+    "whole": ("_whole", {"LIGHTNING_TLT_COMPILE_AOT": "1", "LIGHTNING_TLT_COMPILE_REGIONS": "0"}),
+    "plain": ("_plain", {"LIGHTNING_TLT_COMPILE_AOT": "0", "LIGHTNING_TLT_COMPILE_REGIONS": "1"}),
+}
+"""Each arm's run-name suffix and the settings its processes run under (see the module docstring)."""
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Each configuration twice in fresh processes on one empty compile cache: cold, then a warm restart;
-    with ``--stored both``, once with the stored compiled steps (``<config>_cold``, ``<config>_warm``) and
-    once without them (plain ``torch.compile`` over the Inductor cache: ``<config>_plain_cold``, ...)."""
-    modes = {"both": ("on", "off"), "on": ("on",), "off": ("off",)}[args.stored]
+    """Each configuration twice in fresh processes on one empty compile cache per arm: cold, then a warm
+    restart (``<config><suffix>_cold``, ``..._warm``); the JSON rewritten after every process."""
+    card = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor()
+    settings_ = {k: v for k, v in vars(args).items() if k not in ("child", "out", "commit", "resume")}
+    runs: dict[str, Any] = {}
+    if args.resume is not None:  # the same card, versions and settings, or the runs are not side by side
+        with open(args.resume) as f:
+            earlier = json.load(f)
+        for what, mine, theirs in (("card", card, earlier["card"]), ("torch", torch.__version__,
+                                   earlier["versions"]["torch"])):  # fmt: skip
+            if mine != theirs:
+                raise SystemExit(f"--resume: {args.resume} measured {what} {theirs!r}, this run has {mine!r}")
+        runs = earlier["runs"]
     results: dict[str, Any] = {
         "benchmark": "cold_start", "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "card": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+        "commit": args.commit or _git_head(), "card": card,
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
-        "settings": {k: v for k, v in vars(args).items() if k not in ("child", "out")}, "runs": {},
+        "settings": settings_, "resumed_from": args.resume, "runs": runs,
     }
+    warm_arms = (args.warm_arms or args.arms).split(",")
     for config in args.configs.split(","):
-        for mode in modes:
-            name = config if mode == "on" else f"{config}_plain"
+        for arm in args.arms.split(","):
+            suffix, settings = ARMS[arm]
+            name = config + suffix
+            starts = ("cold", "warm") if arm in warm_arms else ("cold",)
+            if all(f"{name}_{start}" in runs for start in starts):
+                continue  # measured by the run resumed (a warm restart needs its own cold run's cache)
             with tempfile.TemporaryDirectory() as cache:
-                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "LIGHTNING_TLT_CACHE": cache,
-                       "LIGHTNING_TLT_COMPILE_AOT": "1" if mode == "on" else "0"}
-                for start in ("cold", "warm"):
+                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "LIGHTNING_TLT_CACHE": cache, **settings}
+                for start in starts:
                     results["runs"][f"{name}_{start}"] = run = run_child(args, config, env)
                     print(line_of(name, start, run), flush=True)
-        results["summary"] = summary_of(results["runs"])
-        results["ratios"] = ratios_of(results["runs"])
-        if config != args.configs.split(",")[-1]:  # what is measured so far, should a later one not finish
-            write_results(results, "cold_start", smoke=args.smoke, cuda=torch.cuda.is_available(), out=args.out)
+                    results["summary"] = summary_of(results["runs"])
+                    results["ratios"] = ratios_of(results["runs"])
+                    # what is measured so far, should the call be cut short
+                    write_results(results, "cold_start", smoke=args.smoke, cuda=torch.cuda.is_available(),
+                                  out=args.out, quiet=True)
     return results
+
+
+def _git_head() -> str | None:
+    done = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)), "rev-parse", "HEAD"],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    return done.stdout.strip() or None
 
 
 def run_child(args: argparse.Namespace, config: str, env: dict[str, str]) -> dict[str, Any]:
@@ -209,6 +282,7 @@ def run_child(args: argparse.Namespace, config: str, env: dict[str, str]) -> dic
         raise SystemExit(f"{config}: child failed (exit {proc.returncode})")
     run: dict[str, Any] = json.loads(line[len("RESULT "):])
     run["process_s"] = time.perf_counter() - t0
+    run["measured_at"] = dt.datetime.now().isoformat(timespec="seconds")  # a resumed report's runs differ here
     return run
 
 
@@ -217,7 +291,9 @@ def line_of(name: str, start: str, run: dict[str, Any]) -> str:
     if "build_to_first_token_s" in run:
         return (f"{name:10s} {start:5s} | process {run['process_s']:6.1f} s | build to first token "
                 f"{run['build_to_first_token_s']:6.2f} s | {run['more_captures']:.0f} more graphs, "
-                f"{run['capture_s_per_graph'] or 0:.3f} s each" + _stored_of(run))
+                f"{run['capture_s_per_graph'] or 0:.3f} s each | steady "
+                + ", ".join(f"{b} {ms:.3f} ms" for b, ms in (run.get("steady_ms_per_step") or {}).items())
+                + _stored_of(run))
     first = run["first"]
     return (f"{name:10s} {start:5s} | process {run['process_s']:6.1f} s | build {run['build_s']:5.1f} s | "
             f"first call {first['wall_s']:6.1f} s (dynamo {first['dynamo_s']:5.1f}, backend "
@@ -237,20 +313,25 @@ def _first_call_s(run: dict[str, Any]) -> float:
 
 
 def summary_of(runs: dict[str, Any]) -> dict[str, Any]:
-    """Cold and warm figures of the configurations measured (b1: the engine benchmark's keys), with the
-    stored compiled steps and (``_plain``) without them."""
+    """Cold and warm figures of every run (b1: the engine benchmark's keys, for the default arm; the other
+    arms' with their suffix), the steady steps, and whether each configuration's processes agreed."""
     out: dict[str, Any] = {}
-    if "b1_cold" in runs:
-        out["first_call_s_b1"] = runs["b1_cold"]["build_to_first_token_s"]
-        out["capture_s_per_graph"] = runs["b1_cold"]["capture_s_per_graph"]
-    if "b1_warm" in runs:
-        out["warm_restart_s"] = runs["b1_warm"]["build_to_first_token_s"]
-    if "b1_plain_warm" in runs:
-        out["warm_restart_plain_s"] = runs["b1_plain_warm"]["build_to_first_token_s"]
-    for config in ("nospec", "tlt", "nospec_plain", "tlt_plain"):
-        for start in ("cold", "warm"):
-            if f"{config}_{start}" in runs:
-                out[f"{config}_first_call_{start}_s"] = runs[f"{config}_{start}"]["first"]["wall_s"]
+    for suffix in ("", "_whole", "_plain"):
+        if f"b1{suffix}_cold" in runs:
+            cold = runs[f"b1{suffix}_cold"]
+            out[f"first_call_s_b1{suffix}"] = cold["build_to_first_token_s"]
+            out[f"capture_s_per_graph{suffix}"] = cold["capture_s_per_graph"]
+            for batch, ms in (cold.get("steady_ms_per_step") or {}).items():
+                out[f"steady_ms_per_step_{batch}{suffix}"] = ms
+        if f"b1{suffix}_warm" in runs:
+            out[f"warm_restart_s{suffix}"] = runs[f"b1{suffix}_warm"]["build_to_first_token_s"]
+    for config in ("nospec", "tlt"):
+        for suffix in ("", "_whole", "_plain"):
+            for start in ("cold", "warm"):
+                if f"{config}{suffix}_{start}" in runs:
+                    run = runs[f"{config}{suffix}_{start}"]
+                    out[f"{config}{suffix}_first_call_{start}_s"] = run["first"]["wall_s"]
+                    out[f"{config}{suffix}_steady_call_{start}_s"] = run["steady"]["wall_s"]
     # versions that fell back to plain torch.compile where stored ones were asked for (their restarts trace)
     out["stored_fell_back"] = sum((run.get("stored_compile") or {}).get("fell_back", 0)
                                   for name, run in runs.items() if "_plain" not in name)  # fmt: skip
@@ -259,22 +340,21 @@ def summary_of(runs: dict[str, Any]) -> dict[str, Any]:
         if "first" in run:
             digests.setdefault(name.split("_")[0], set()).add(run["first"]["tokens_sha"])
     for config, seen in digests.items():
-        # a restart that loads stored compiled code, and plain torch.compile, must sample what the cold process did
+        # a restart that loads stored compiled code, and every other arm, must sample what the cold process did
         out[f"{config}_tokens_equal"] = len(seen) == 1
     return out
 
 
 def ratios_of(runs: dict[str, Any]) -> dict[str, float]:
-    """Plain ``torch.compile`` over the stored steps, side by side in this run: ``<config>_warm_plain_over_stored``
-    (> 1: the stored steps restart faster) and ``<config>_cold_stored_over_plain`` (what storing costs a first run)."""
+    """Each arm's first call over the default arm's (``regions``), side by side in this run, cold and warm:
+    ``<config>_<start>_<arm>_over_regions`` (> 1: the default starts faster)."""
     out: dict[str, float] = {}
     for config in ("b1", "nospec", "tlt"):
-        if f"{config}_warm" in runs and f"{config}_plain_warm" in runs:
-            out[f"{config}_warm_plain_over_stored"] = _first_call_s(runs[f"{config}_plain_warm"]) / _first_call_s(
-                runs[f"{config}_warm"])
-        if f"{config}_cold" in runs and f"{config}_plain_cold" in runs:
-            out[f"{config}_cold_stored_over_plain"] = _first_call_s(runs[f"{config}_cold"]) / _first_call_s(
-                runs[f"{config}_plain_cold"])
+        for arm in ("whole", "plain"):
+            for start in ("cold", "warm"):
+                if f"{config}_{start}" in runs and f"{config}_{arm}_{start}" in runs:
+                    out[f"{config}_{start}_{arm}_over_regions"] = _first_call_s(
+                        runs[f"{config}_{arm}_{start}"]) / _first_call_s(runs[f"{config}_{start}"])
     return out
 
 
