@@ -400,6 +400,23 @@ class ModelRunner:
             for fused in self._fused:
                 fused.sync()
 
+    def layer_fusions(self) -> Sequence[FusedProjections | None]:
+        """What a forward's layers run on: the fused weight copies (`fuse_projections`, no-grad forwards: a
+        training forward keeps autograd's path through the policy's own weights), else ``None`` per layer.
+
+        Built here on a first eager use; a compiled or captured forward raises instead (the engine builds
+        them before its steps, at every ``generate``).
+        """
+        if not self.fuse_projections or torch.is_grad_enabled():
+            return [None] * self.spec.num_layers
+        if self._fused is None:
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+            if torch.compiler.is_compiling() or capturing:
+                raise RuntimeError("ModelRunner.sync_fused() must run before a compiled or captured forward")
+            self.sync_fused()
+        assert self._fused is not None
+        return self._fused
+
     @property
     def fused(self) -> tuple[FusedProjections, ...] | None:
         """The fused weight copies, one per layer (``None`` before `sync_fused` built them, or without
@@ -449,15 +466,7 @@ class ModelRunner:
             `ForwardOutput` with ``logits`` ``(B, q, V)``, ``hidden`` ``(B, q, H)``.
         """
         spec = self.spec
-        fused: list[FusedProjections] | list[None] = [None] * spec.num_layers
-        if self.fuse_projections and not torch.is_grad_enabled():  # a training forward keeps autograd's path
-            if self._fused is None:  # never true in a compiled or captured step: the engine built them
-                capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-                if torch.compiler.is_compiling() or capturing:
-                    raise RuntimeError("ModelRunner.sync_fused() must run before a compiled or captured forward")
-                self.sync_fused()
-            assert self._fused is not None
-            fused = self._fused
+        fused = self.layer_fusions()
         x = self.embed(tokens)  # (B, q, H)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.rope_scaling, x.dtype)
         layer_hidden: dict[int, Tensor] = {}

@@ -184,11 +184,7 @@ class PolicyRegions:
     ) -> tuple[Tensor, Tensor]:
         """What `policy_step` returns, from the same arguments."""
         num_layers = runner.spec.num_layers
-        fused: Sequence[FusedProjections | None] = [None] * num_layers
-        if runner.fuse_projections:
-            if runner.fused is None:
-                raise RuntimeError("ModelRunner.sync_fused() must run before the engine's compiled forward")
-            fused = runner.fused
+        fused = runner.layer_fusions()
         x, cos, sin = self.embed(runner, tokens, positions)
         layer_hidden = {0: x} if 0 in capture else {}
         delta: Tensor | None = None

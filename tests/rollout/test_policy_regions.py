@@ -63,11 +63,19 @@ def test_regions_return_what_the_forward_in_one_piece_returns(
         torch.testing.assert_close(mine, theirs)
 
 
-def test_fused_regions_need_the_fused_weights_built_first() -> None:
+def test_fused_regions_build_the_fused_weights_eagerly_and_refuse_to_in_a_capture() -> None:
     runner = ModelRunner(build_model("qwen2", "tiny", seed=0), fuse_projections=True)
     tokens, positions, cache = _step_inputs(runner, 2, 1, seed=0)
-    with pytest.raises(RuntimeError, match="sync_fused"), torch.no_grad():
-        PolicyRegions(_Uncompiled())(runner, tokens, positions, cache.k, cache.v, (), None)  # type: ignore[arg-type]
+    regions = PolicyRegions(_Uncompiled())  # type: ignore[arg-type]
+    with torch.no_grad():
+        regions(runner, tokens, positions, cache.k, cache.v, (), None)
+    assert runner.fused is not None  # built by the first (eager) call, as ModelRunner.forward does
+    with torch.enable_grad():  # a training forward: the policy's own weights, as ModelRunner.forward
+        assert list(runner.layer_fusions()) == [None] * runner.spec.num_layers
+    runner = ModelRunner(build_model("qwen2", "tiny", seed=0), fuse_projections=True)
+    compiled = torch.compile(lambda: runner.layer_fusions(), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match="sync_fused"), torch.no_grad():
+        compiled()  # a compiled (or captured) forward must find them built
 
 
 def _four_layers() -> PreTrainedModel:
