@@ -103,7 +103,7 @@ def child_b1(args: argparse.Namespace) -> dict[str, Any]:
             "capture_s_per_graph": pure / captures if captures else None,
             "compile_s_in_more": stats1["compile_time_s"] - stats0["compile_time_s"],
             "steady_ms_per_step": steady_steps(engine, vocab, [1, min(64, args.slots)], device, args.steady_tokens),
-            "stored_compile": stored_compile.stats()}
+            "stored_compile": stored_compile.stats(), "compiled_by_function": stored_compile.stats_by_function()}
 
 
 def steady_steps(engine: RolloutEngine, vocab: int, batches: list[int], device: torch.device,
@@ -164,6 +164,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             "tokens_sha": tokens,
         }
     out["stored_compile"] = stored_compile.stats()  # a version that fell back to plain torch.compile shows here
+    out["compiled_by_function"] = stored_compile.stats_by_function()  # where a cold first call's compiling went
     out["cache"] = dict(engine.last_stats.get("compile_cache", {})) if isinstance(
         engine.last_stats.get("compile_cache"), dict) else {}
     return out

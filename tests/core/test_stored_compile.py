@@ -86,6 +86,21 @@ def test_arguments_a_version_does_not_accept_compile_a_second_version_and_both_a
     torch.testing.assert_close(ref_scale, scaled_softmax(x, 2.0, None))
 
 
+def test_one_version_serves_views_and_whole_tensors_of_any_marked_size(tmp_path: Path) -> None:
+    # a marked size is one version for views of a buffer and for whole tensors alike, counted by
+    # function. (Marked on a view, the regions of the policy's forward, whose inputs are outputs of
+    # other compiled regions, got guards on ``_base`` that every later call failed:
+    # tests/rollout/test_policy_regions.py catches that; this toy did not reproduce it.)
+    store = _store(tmp_path)
+    before = stored_compile.stats_by_function().get("scaled_softmax", {"compiled": 0, "compile_s": 0.0})
+    buffer = torch.randn(16, 7)
+    outputs = [store(x, 0.5, None) for x in (torch.randn(4, 7), torch.randn(6, 7), buffer[:5], buffer[:3])]
+    assert store.num_versions == 1 and len(_files(tmp_path)) == 1
+    torch.testing.assert_close(outputs[2], scaled_softmax(buffer[:5], 0.5, None))
+    after = stored_compile.stats_by_function()["scaled_softmax"]
+    assert after["compiled"] - before["compiled"] == 1 and after["compile_s"] > before["compile_s"]
+
+
 def _flip_payload(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-10] ^= 0xFF
