@@ -182,15 +182,16 @@ class StoredCompile:
     def _mark(self, args: tuple[Any, ...], in_place: bool) -> tuple[Any, ...]:
         """``args`` with the `dynamic_dims` marked: on the tensors themselves, or on aliases of them.
 
-        An alias is ``detach()``, not a view: Dynamo reads a view's marked sizes from its ``_base``, and the
-        version's guards would then read ``_base`` of every later argument, which a tensor that is no view
-        lacks (every call would compile a new version)."""
+        An alias is ``detach()`` (with the tensor's ``requires_grad``, which the version's guards check), not
+        a view: Dynamo reads a view's marked sizes from its ``_base``, and the version's guards would then
+        read ``_base`` of every later argument, which a tensor that is no view lacks (every call would
+        compile a new version)."""
         if self.dynamic_dims is None:
             return args
         out = list(args)
         for index, dims in self.dynamic_dims(*args).items():
             if dims:
-                tensor = out[index] if in_place else out[index].detach()
+                tensor = out[index] if in_place else out[index].detach().requires_grad_(out[index].requires_grad)
                 torch._dynamo.maybe_mark_dynamic(tensor, list(dims))
                 out[index] = tensor
         return tuple(out)

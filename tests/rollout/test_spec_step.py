@@ -8,6 +8,7 @@ deterministic cost model so that "which arm is faster" is a fact of the test, no
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -283,7 +284,8 @@ def test_a_stale_catch_up_block_wider_than_the_step_is_never_indexed() -> None:
 
 
 # ------------------------------------------------------------------------- compiled steps, errors, timing
-def test_every_step_shape_of_a_speculating_engine_stays_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_every_step_shape_of_a_speculating_engine_stays_compiled(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
     # Dynamo's guards without Inductor (backend="eager"): each batch bucket x draft length x catch-up
     # width is a step the engine meets in the tail; at torch's default limit of 8 versions the 10th
     # drafter-rows compile raised, and the engine then ran uncompiled for the rest of its life
@@ -291,11 +293,15 @@ def test_every_step_shape_of_a_speculating_engine_stays_compiled(monkeypatch: py
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
     import torch._dynamo.config as dynamo_config
 
+    from lightning_tlt.core import stored_compile
+
+    fell_back = stored_compile.stats()["fell_back"]
     # torch's default limit, raised by the engine (config.patch restores it; pytest's monkeypatch deletes it)
     with dynamo_config.patch(recompile_limit=8, accumulated_recompile_limit=256):
         model = build_model("qwen2", "tiny", seed=0)
         config = SpeculativeConfig(method="eagle", threshold=16, hysteresis_steps=1, draft_vocab_size=64)
-        engine = RolloutEngine(model, max_seq_len=64, max_batch_size=16, compile=True, speculative=config)
+        engine = RolloutEngine(model, max_seq_len=64, max_batch_size=16, compile=True, speculative=config,
+                               compile_cache=str(tmp_path))  # fmt: skip
         engine.allocate_buffers()
         assert engine.speculative_step is not None and engine.slot_state is not None and engine.kv_cache is not None
         engine.speculative_step.begin(model.lm_head)
@@ -312,6 +318,9 @@ def test_every_step_shape_of_a_speculating_engine_stays_compiled(monkeypatch: py
                 for width in (1, 3, 5, 9):
                     engine.speculative_step.eagle_step(engine.step_context(), batch, k, width, key, drafter, None)
         assert dynamo_config.recompile_limit >= 64 and engine.compile_failures == []
+    # outside no_grad the regions' inputs require grad: a version compiled from an alias that did not once
+    # made every call compile anew, past the 64 versions a stored function may hold
+    assert stored_compile.stats()["fell_back"] == fell_back
 
 
 def _recording_compile(monkeypatch: pytest.MonkeyPatch) -> list[str]:
