@@ -162,9 +162,10 @@ class PolicyRegions:
     """`policy_step` compiled by region: the embeddings, one decoder layer, and the head, each compiled on
     its own, called from Python in a loop over the layers.
 
-    Compiled as one graph (`policy_step`), the forward is traced and code-generated through every layer:
-    on the 0.5 B policy (24 layers) a decode forward took 67.6 s to compile on the CPU, against 20.3 s by
-    region, where Dynamo traces and Inductor compiles one layer, which every layer then runs. The loop's
+    Compiled as one graph (`policy_step`), the forward is traced and code-generated through every layer;
+    by region, Dynamo traces and Inductor compiles one layer, which every layer then runs (the 0.5 B
+    policy's 24 on the CPU: 41.9 s to the first token against 64.7 s,
+    ``benchmarks/results/cold_start_cpu_20261206_0.5b_regions.json``). The loop's
     Python runs only in warm-up and capture: a captured step's CUDA graph replays the same kernels, and
     the residual add between two layers still shares a kernel with the next layer's input norm
     (`decoder_layer_split`). Off with `REGIONS_ENV_VAR`.
