@@ -32,6 +32,7 @@ with the compile cache itself (``compile_cache=False``, ``LIGHTNING_TLT_COMPILE_
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
@@ -52,7 +53,8 @@ FORMAT = 1
 ENV_VAR = "LIGHTNING_TLT_COMPILE_AOT"
 """``0``, ``false``, ``off`` or ``no``: compile with plain ``torch.compile`` (restarts trace again)."""
 MAX_VERSIONS = 64
-"""Versions one function may hold (the engine's recompile limit); past it, plain ``torch.compile``."""
+"""Versions one function may compile in a process (the engine's recompile limit; past it, plain
+``torch.compile``), and may keep on disk (past it, the least recently used files are deleted)."""
 
 DynamicDims = Callable[..., Mapping[int, Sequence[int]]]
 """``(*args) -> {argument index: dims}``: the sizes of a call's tensor arguments to compile as dynamic."""
@@ -69,6 +71,8 @@ class _Held:
     def __init__(self) -> None:
         self.versions: list[Any] = []
         self.loaded = False
+        self.compiled = 0  # versions compiled in this process: the cap (loaded ones a run never uses don't count)
+        self.files: dict[int, Path] = {}  # id(version) -> its file, until this process first uses it
 
 
 _HELD: dict[Path, _Held] = {}
@@ -114,6 +118,14 @@ def _module_digest(name: str) -> str | None:
         return hashlib.sha256(inspect.getsource(module).encode()).hexdigest()
     except (ImportError, OSError, TypeError):
         return None
+
+
+def _touch(path: Path) -> None:
+    """Mark ``path`` used now, to the nanosecond (the kernel's own file times are coarse: a few milliseconds
+    apart, two files would tie)."""
+    now = time.time_ns()
+    with contextlib.suppress(OSError):
+        os.utime(path, ns=(now, now))
 
 
 class StoredCompile:
@@ -176,6 +188,9 @@ class StoredCompile:
     def _find(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         for version in self._held.versions:
             if version.guard_check(*args, **kwargs):
+                path = self._held.files.pop(id(version), None)
+                if path is not None:  # first use of a loaded version: its file is recently used again
+                    _touch(path)
                 return version
         return None
 
@@ -198,8 +213,8 @@ class StoredCompile:
 
     # ------------------------------------------------------------------ compile and store
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if len(self._held.versions) >= MAX_VERSIONS:
-            return self._fall_back(f"more than {MAX_VERSIONS} versions")
+        if self._held.compiled >= MAX_VERSIONS:
+            return self._fall_back(f"more than {MAX_VERSIONS} versions compiled in this process")
         start = time.perf_counter()
         try:
             # floats specialised: a float argument made a tensor asks Dynamo to restart its analysis, which the
@@ -222,6 +237,7 @@ class StoredCompile:
             mine["compile_s"] += seconds
         version.disable_guard_check()  # `_find` checked them
         self._held.versions.append(version)
+        self._held.compiled += 1
         _STATS["compiled"] += 1
         mine["compiled"] += 1
         self._store(version)
@@ -255,6 +271,21 @@ class StoredCompile:
             write_framed(path, MAGIC, header, [payload])
         except OSError as err:
             warnings.warn(f"could not write {path}: {err}", stacklevel=4)
+            return
+        _touch(path)
+        self._prune(keep=path)
+
+    def _prune(self, keep: Path) -> None:
+        """Delete the least recently used files past `MAX_VERSIONS` (versions of sizes no run asks for any more
+        would otherwise be loaded, and checked against every call, by every later process)."""
+        assert self.folder is not None
+        try:
+            files = sorted(self.folder.glob("*.bin"), key=lambda p: (p.stat().st_mtime_ns, p.name))
+        except OSError:
+            return
+        for path in [p for p in files if p != keep][: max(0, len(files) - MAX_VERSIONS)]:
+            with contextlib.suppress(OSError):
+                path.unlink()
 
     # ------------------------------------------------------------------ load
     def _load(self) -> None:
@@ -265,7 +296,7 @@ class StoredCompile:
         from torch._dynamo.aot_compile import AOTCompiledFunction
 
         start = time.perf_counter()
-        for path in sorted(self.folder.glob("*.bin"), key=lambda p: (p.stat().st_mtime, p.name)):
+        for path in sorted(self.folder.glob("*.bin"), key=lambda p: (p.stat().st_mtime_ns, p.name)):
             try:
                 payload = self._read(path)
                 version = AOTCompiledFunction.deserialize(payload, self.fn.__globals__)
@@ -274,6 +305,7 @@ class StoredCompile:
                 continue
             version.disable_guard_check()
             self._held.versions.append(version)
+            self._held.files[id(version)] = path
             _STATS["loaded"] += 1
         _STATS["load_s"] += time.perf_counter() - start
 

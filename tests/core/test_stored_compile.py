@@ -101,6 +101,45 @@ def test_one_version_serves_views_and_whole_tensors_of_any_marked_size(tmp_path:
     assert after["compiled"] - before["compiled"] == 1 and after["compile_s"] > before["compile_s"]
 
 
+def test_the_cap_counts_versions_compiled_in_this_process_and_disk_keeps_the_recently_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # stored versions a run never asks for (another run's sampling constants) once counted toward the cap:
+    # a folder holding MAX_VERSIONS of them made every new version fall back to plain torch.compile
+    monkeypatch.setattr(stored_compile, "MAX_VERSIONS", 2)
+    x = torch.randn(3, 7)
+    old = _store(tmp_path)
+    for scale in (3.0, 4.0):  # two versions another run compiled and stored
+        old(x, scale, None)
+    assert len(_files(tmp_path)) == 2
+    used = _store(tmp_path, restart=True)
+    before = dict(stored_compile.stats())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fall-back warns
+        for scale in (3.0, 0.5, 0.25):  # one stored version used again, two compiled here: no fall-back
+            torch.testing.assert_close(used(x, scale, None), scaled_softmax(x, scale, None))
+    after = stored_compile.stats()
+    assert after["fell_back"] == before["fell_back"] and after["compiled"] == before["compiled"] + 2
+    assert used.num_versions == 4  # two loaded, two compiled: all held, only the compiled ones counted
+    # on disk, the MAX_VERSIONS most recently used: 0.5 and 0.25 (3.0 was used before them, 4.0 not at all)
+    assert len(_files(tmp_path)) == 2
+    reloaded = _store(tmp_path, restart=True)
+    compiled = stored_compile.stats()["compiled"]
+    reloaded(x, 0.25, None), reloaded(x, 0.5, None)
+    assert stored_compile.stats()["compiled"] == compiled and reloaded.num_versions == 2
+    # a loaded version's first use marks it recently used: 0.5 now outlives 0.25 when 2.0 is compiled
+    reloaded(x, 2.0, None)
+    kept = _store(tmp_path, restart=True)
+    kept(x, 0.5, None), kept(x, 2.0, None)
+    assert stored_compile.stats()["compiled"] == compiled + 1  # 2.0 compiled once, then both found on disk
+    kept(x, 0.25, None)
+    assert stored_compile.stats()["compiled"] == compiled + 2  # 0.25 was the least recently used: deleted
+    with pytest.warns(UserWarning, match="more than 2 versions compiled in this process"):
+        capped = _store(tmp_path, restart=True)
+        for scale in (5.0, 6.0, 7.0):
+            torch.testing.assert_close(capped(x, scale, None), scaled_softmax(x, scale, None))
+
+
 def _flip_payload(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-10] ^= 0xFF
