@@ -42,6 +42,15 @@ ENV_VAR = "LIGHTNING_TLT_COMPILE_CACHE"
 _loaded: set[Path] = set()  # files loaded in this process (PyTorch's caches hold them from then on)
 
 
+OFF_WORDS = ("0", "false", "off", "no")
+"""What an environment switch of the kit's compiling may say to turn its feature off."""
+
+
+def env_off(name: str) -> bool:
+    """Whether the environment variable ``name`` turns a feature off (one of `OFF_WORDS`, any case)."""
+    return os.environ.get(name, "").strip().lower() in OFF_WORDS
+
+
 def default_cache_dir() -> Path:
     """The kit's cache directory: ``$LIGHTNING_TLT_CACHE`` if set, else ``~/.cache/lightning_tlt``."""
     env = os.environ.get("LIGHTNING_TLT_CACHE")
@@ -58,9 +67,9 @@ def resolve_cache_dir(setting: bool | str | os.PathLike[str] | None) -> Path | N
         return None
     if setting is not None and setting is not True:
         return Path(setting).expanduser()
-    env = os.environ.get(ENV_VAR, "").strip()
-    if env.lower() in ("0", "false", "off", "no"):
+    if env_off(ENV_VAR):
         return None
+    env = os.environ.get(ENV_VAR, "").strip()
     if env and env.lower() not in ("1", "true", "on", "yes"):
         return Path(env).expanduser()
     return default_cache_dir() / "compile"
@@ -202,6 +211,6 @@ class CompileCache:
 
 
 __all__ = [
-    "CompileCache", "default_cache_dir", "device_key", "library_versions", "read_framed", "resolve_cache_dir",
+    "OFF_WORDS", "CompileCache", "default_cache_dir", "device_key", "env_off", "library_versions", "read_framed", "resolve_cache_dir",
     "write_framed",
 ]

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from lightning_tlt.core.compile_cache import library_versions, read_framed, write_framed
+from lightning_tlt.core.compile_cache import env_off, library_versions, read_framed, write_framed
 
 MAGIC = b"lightning-tlt stored compile\n"
 FORMAT = 1
@@ -98,7 +98,7 @@ def stats_by_function() -> dict[str, dict[str, float]]:
 
 def aot_enabled() -> bool:
     """Whether versions are compiled ahead of time and stored: torch has the API and `ENV_VAR` allows it."""
-    if os.environ.get(ENV_VAR, "").strip().lower() in ("0", "false", "off", "no"):
+    if env_off(ENV_VAR):
         return False
     try:
         from torch._dynamo.aot_compile import AOTCompiledFunction  # noqa: F401

@@ -20,7 +20,6 @@ layer runs, the head), or as one graph (`policy_step`); these are the rest of a 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -29,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_tlt.core.compile_cache import env_off
 from lightning_tlt.core.runner import FusedProjections, decoder_layer_split, rms_norm, rope_cos_sin
 from lightning_tlt.core.sampling import (
     NOISE_DRAFT,
@@ -113,7 +113,7 @@ region (`PolicyRegions`)."""
 
 def regions_enabled() -> bool:
     """Whether a compiled engine compiles its policy's forward by region (the default; `REGIONS_ENV_VAR`)."""
-    return os.environ.get(REGIONS_ENV_VAR, "").strip().lower() not in ("0", "false", "off", "no")
+    return not env_off(REGIONS_ENV_VAR)
 
 
 def policy_embed(runner: ModelRunner, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
