@@ -540,6 +540,11 @@ class DrafterCoTrainCallback(Callback):
         self._last_eval_step = int(state["last_eval_step"])
         self._warm_started = bool(state["warm_started"])
         self.pacer.load_state_dict(state["pacer"])
+        if self._listening_to is not None and self.published is not None:
+            # restored after on_fit_start (a strategy that loads its checkpoint once the model is sharded:
+            # ModelParallelStrategy): the engine still drafts with what on_fit_start handed it, the cold
+            # drafter, and a resumed run's first rollout would differ from the uninterrupted run's
+            self.published = publish_drafter(self.engine(), self.published, self.version)
         rank_zero_info(
             f"DrafterCoTrainCallback: resumed drafter version {self.version} after {self.learner.steps_enqueued} steps"
         )

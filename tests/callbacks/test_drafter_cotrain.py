@@ -16,6 +16,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from lightning_tlt.callbacks.drafter_cotrain import (
     DrafterCoTrainCallback,
@@ -523,6 +524,30 @@ def test_checkpoint_restore_and_export(tmp_path: Path) -> None:
     b = loaded.draft(feats, tokens, 4, temperature=1.0, generator=torch.Generator().manual_seed(1))
     assert torch.equal(a[0], b[0])
     torch.testing.assert_close(a[1], b[1])
+
+
+class _RestoresAfterSetup(SingleDeviceStrategy):
+    """Lightning's order under ModelParallelStrategy (FSDP2): callbacks restored after on_fit_start."""
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+
+def test_a_checkpoint_restored_after_on_fit_start_hands_the_engine_the_published_drafter(tmp_path: Path) -> None:
+    module, data = make(speculative=EAGLE)
+    cb = callback()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=1)
+    trainer(tmp_path, 2, [cb, ckpt]).fit(module, datamodule=data)
+    assert cb.version == 1 and cb.published is not None
+    module2, data2 = make(speculative=EAGLE)
+    cb2 = callback()
+    after_setup = trainer(tmp_path, 2, [cb2], strategy=_RestoresAfterSetup(torch.device("cpu")))
+    after_setup.fit(module2, datamodule=data2, ckpt_path=tmp_path / "ckpt" / "last.ckpt")
+    engine_drafter = data2.engine.drafter
+    assert data2.engine.drafter_version == 1 and isinstance(engine_drafter, EagleDrafter)
+    for name, value in cb.published.state_dict().items():  # not the cold drafter on_fit_start handed over
+        assert torch.equal(engine_drafter.state_dict()[name], value), name
 
 
 def test_warm_start_from_the_first_rollouts_beats_a_cold_drafter(tmp_path: Path) -> None:

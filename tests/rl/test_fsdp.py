@@ -93,15 +93,14 @@ def test_bf16_mixed_sharded_grpo_rolls_out_from_the_gather_and_averages_the_draf
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "on the 2026-12-06 machine (AMD EPYC, 2 cores) the resumed run's first step differs from the uninterrupted "
-    "run's on rank 0 (its rollouts, then 6 drafter steps against 5), at 703dfb1 too, where it passed on the "
-    "machine of 2026-12-05; two uninterrupted runs are identical there: under investigation (issue 35)"))
 def test_resuming_the_sharded_checkpoint_continues_exactly_on_every_rank(sharded_run: Any, two_ranks: TwoRanks) -> None:
     tmp, full = sharded_run
     checkpoint = tmp / "ckpt" / "epoch=0-step=2.ckpt"
     assert sorted(p.name for p in checkpoint.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
     resumed = launch(two_ranks, tmp, "resumed", "grpo", "fsdp", "bf16-mixed", str(STEPS), "-", str(checkpoint))
+    # ModelParallelStrategy restores callbacks after on_fit_start: the co-training callback must hand the
+    # engine the restored published drafter then (it drafted with the cold one; with rejection sampling the
+    # first resumed rollout differed wherever a near-tie went the other way: on rank 0 on an AMD EPYC)
     for rank in (0, 1):
         assert [r["step"] for r in resumed[rank]] == [3, 4]
         for mine, theirs in zip(resumed[rank], full[rank][2:]):
