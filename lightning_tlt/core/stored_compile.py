@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.fx.experimental._config as fx_config
 
 from lightning_tlt.core.compile_cache import env_off, library_versions, read_framed, write_framed
 
@@ -223,8 +224,12 @@ class StoredCompile:
             # guards reject the very arguments they were compiled for (`size()` of an argument that is None),
             # and a first process sampled one token other than its restart did (CPU, T=1) until it was off;
             # the dynamic sizes are the ones asked for (``dynamic``, `DynamicDims`), in every version.
+            # No duck shaping: sizes that happen to be equal in the first call (a batch equal to the slots, k + 1
+            # equal to a buffer's width) were unified into one symbol, and each later call where they differ
+            # compiled a version of its own (the speculative step's verify update: 13 versions for 5 batches x 4
+            # draft lengths on the CPU, 2 without).
             with torch._dynamo.config.patch(enable_aot_compile=True, specialize_float=True,
-                                            automatic_dynamic_shapes=False):
+                                            automatic_dynamic_shapes=False), fx_config.patch(use_duck_shape=False):
                 # made under the flag: torch 2.11 gives the wrapper its `aot_compile` only when it is on
                 compiled = torch.compile(self.fn, fullgraph=True, dynamic=self.dynamic)
                 version = compiled.aot_compile((self._mark(args, in_place=False), kwargs))  # type: ignore[attr-defined]

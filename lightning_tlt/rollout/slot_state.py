@@ -39,8 +39,8 @@ MAX_STOP_IDS = 8
 class SpecSlots:
     """Per-slot buffers of speculation (static: captured graphs read and write them in place)."""
 
-    draft_tokens: Tensor  # (S, K) long: drafted tokens (target ids)
-    draft_index: Tensor  # (S, K) long: their columns in the draft vocabulary
+    draft_tokens: Tensor  # (S, K + 1) long: drafted tokens (target ids; the last column is never written)
+    draft_index: Tensor  # (S, K + 1) long: their columns in the draft vocabulary
     draft_lens: Tensor  # (S,) long
     cu_feat: Tensor  # (S, W, F): features of the last verify's rows (EAGLE catch-up block)
     cu_tok: Tensor  # (S, W) long: the tokens that followed them
@@ -114,12 +114,14 @@ class SlotState:
             max_new=torch.zeros((), **long),
         )
         if max_draft_tokens > 0:
-            # one column wider than the widest catch-up block (k + 1 rows): were a verify's k + 1 ever the
-            # buffer's width, Dynamo would specialise the compiled update on it and recompile for other k
+            # every buffer a step slices by k one column wider than the widest slice (k drafts, a catch-up
+            # block of k + 1 rows): a slice ``[:, :k]`` that takes a buffer's whole width makes Dynamo guard
+            # on it, and the compiled update compiled one more version for k = max_draft_tokens (about 13 s
+            # of the 0.5 B policy's cold start on the H100, 2026-12-06)
             k, w = max_draft_tokens, max_draft_tokens + 2
             state.spec = SpecSlots(
-                draft_tokens=torch.zeros(num_slots, k, **long),
-                draft_index=torch.zeros(num_slots, k, **long),
+                draft_tokens=torch.zeros(num_slots, k + 1, **long),
+                draft_index=torch.zeros(num_slots, k + 1, **long),
                 draft_lens=torch.zeros(num_slots, **long),
                 cu_feat=torch.zeros(num_slots, w, feature_width, dtype=dtype, device=device),
                 cu_tok=torch.zeros(num_slots, w, **long),
