@@ -228,8 +228,9 @@ class StoredCompile:
             # equal to a buffer's width) were unified into one symbol, and each later call where they differ
             # compiled a version of its own (the speculative step's verify update: 13 versions for 5 batches x 4
             # draft lengths on the CPU, 2 without).
+            no_duck_shapes = fx_config.patch(use_duck_shape=False)  # type: ignore[attr-defined]
             with torch._dynamo.config.patch(enable_aot_compile=True, specialize_float=True,
-                                            automatic_dynamic_shapes=False), fx_config.patch(use_duck_shape=False):
+                                            automatic_dynamic_shapes=False), no_duck_shapes:
                 # made under the flag: torch 2.11 gives the wrapper its `aot_compile` only when it is on
                 compiled = torch.compile(self.fn, fullgraph=True, dynamic=self.dynamic)
                 version = compiled.aot_compile((self._mark(args, in_place=False), kwargs))  # type: ignore[attr-defined]
