@@ -195,7 +195,7 @@ def run_chunk(arm_dir: Path, state: dict[str, Any], args: argparse.Namespace, de
     with open(log_path, "w") as log:
         reader = threading.Thread(target=_pump, args=(proc, log, watch), daemon=True)
         reader.start()
-        stopped_by = _supervise(proc, watch, args, deadline)
+        stopped_by = _supervise(proc, watch, args, deadline, int((config.get("trainer") or {}).get("max_steps") or 0))
         reader.join(timeout=30)
     ckpt = arm_dir / "chunks" / f"chunk{number}" / "checkpoints" / "last.ckpt"
     record = {
@@ -220,9 +220,13 @@ def _pump(proc: subprocess.Popen[str], log: Any, watch: Watch) -> None:
         watch.read(line)
 
 
-def _supervise(proc: subprocess.Popen[str], watch: Watch, args: argparse.Namespace, deadline: float) -> str:
+def _supervise(proc: subprocess.Popen[str], watch: Watch, args: argparse.Namespace, deadline: float,
+               max_steps: int = 0) -> str:
     """Wait for the chunk; SIGTERM it once when the next step would not end before ``deadline`` (less the save),
-    or after ``--chunk-steps`` RL steps; kill its process group at ``deadline``. Returns why it stopped."""
+    or after ``--chunk-steps`` RL steps; kill its process group at ``deadline``. Returns why it stopped.
+
+    No signal once the run printed its last step (``max_steps``): it ends by itself, and a signal that came
+    after the run had put back the default handler, as it exits, killed it (exit -15 instead of 0)."""
     sent: str | None = None
     while proc.poll() is None:
         time.sleep(0.2)
@@ -233,6 +237,8 @@ def _supervise(proc: subprocess.Popen[str], watch: Watch, args: argparse.Namespa
             return "killed at the deadline"
         if sent is not None or watch.last_step is None:
             continue  # a signal before the first step would stop the run without a checkpoint
+        if max_steps and watch.last_step >= max_steps:
+            continue  # the last step: the run saves and exits on its own
         steps = (watch.last_step - (watch.first_step or 0)) // watch.iters + 1
         if args.chunk_steps and steps >= args.chunk_steps:
             sent = f"after {steps} RL steps"
