@@ -211,6 +211,6 @@ class CompileCache:
 
 
 __all__ = [
-    "OFF_WORDS", "CompileCache", "default_cache_dir", "device_key", "env_off", "library_versions", "read_framed", "resolve_cache_dir",
-    "write_framed",
+    "OFF_WORDS", "CompileCache", "default_cache_dir", "device_key", "env_off", "library_versions", "read_framed",
+    "resolve_cache_dir", "write_framed",
 ]

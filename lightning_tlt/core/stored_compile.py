@@ -286,12 +286,17 @@ class StoredCompile:
         would otherwise be loaded, and checked against every call, by every later process)."""
         assert self.folder is not None
         try:
-            files = sorted(self.folder.glob("*.bin"), key=lambda p: (p.stat().st_mtime_ns, p.name))
+            files = self._files_oldest_first()
         except OSError:
             return
         for path in [p for p in files if p != keep][: max(0, len(files) - MAX_VERSIONS)]:
             with contextlib.suppress(OSError):
                 path.unlink()
+
+    def _files_oldest_first(self) -> list[Path]:
+        """The folder's stored versions, least recently used first (`_touch` marks a use)."""
+        assert self.folder is not None
+        return sorted(self.folder.glob("*.bin"), key=lambda p: (p.stat().st_mtime_ns, p.name))
 
     # ------------------------------------------------------------------ load
     def _load(self) -> None:
@@ -302,7 +307,7 @@ class StoredCompile:
         from torch._dynamo.aot_compile import AOTCompiledFunction
 
         start = time.perf_counter()
-        for path in sorted(self.folder.glob("*.bin"), key=lambda p: (p.stat().st_mtime_ns, p.name)):
+        for path in self._files_oldest_first():
             try:
                 payload = self._read(path)
                 version = AOTCompiledFunction.deserialize(payload, self.fn.__globals__)
