@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from lightning_tlt.core.stored_compile import stats_by_function
 from lightning_tlt.core.types import SpeculativeConfig, StepEvent
 from lightning_tlt.data.datamodule import RolloutDataModule
 from lightning_tlt.rl.config import GRPOConfig
@@ -61,6 +62,18 @@ def provenance(commit: str | None, policy_dir: Path) -> dict[str, Any]:
             "warm_start": {"policy": policy_dir.name, "final_loss": meta["final_loss"]}}
 
 
+def _new_versions(now: dict[str, dict[str, float]], before: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """The versions compiled ahead of time since ``before`` (`stats_by_function` taken twice), by function:
+    ``{name: {"compiled": versions, "compile_s": seconds}}``, functions that compiled nothing left out."""
+    out = {}
+    for name, f in now.items():
+        was = before.get(name, {})
+        n, s = f.get("compiled", 0) - was.get("compiled", 0), f.get("compile_s", 0.0) - was.get("compile_s", 0.0)
+        if n or s > 0:
+            out[name] = {"compiled": float(n), "compile_s": float(s)}
+    return out
+
+
 class StepRecorder(Callback):
     """Per RL step: wall time, its split, lengths, correctness and speculation figures; prints a line.
 
@@ -98,6 +111,7 @@ class StepRecorder(Callback):
         self._timer: threading.Timer | None = None
         self.trainer: pl.Trainer | None = None
         self._compiled_seen = compile_seconds()  # Dynamo's seconds in this process at the last step's end
+        self._by_function_seen = stats_by_function()  # versions compiled ahead of time, by function, likewise
 
     def _on_event(self, event: StepEvent) -> None:
         self._recent.append(event)
@@ -113,6 +127,7 @@ class StepRecorder(Callback):
         sync()
         self._start = self._last_end = time.perf_counter()
         self._compiled_seen = compile_seconds()
+        self._by_function_seen = stats_by_function()
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -181,6 +196,11 @@ class StepRecorder(Callback):
         # outside any capture: the graph cache's own counter missed 56 s of a's step 0 on the H200)
         compiled = compile_seconds()
         r["compile_s"], self._compiled_seen = max(0.0, compiled - self._compiled_seen), compiled
+        # which step functions compiled a version in this step, and for how long: a step after the first
+        # that compiles names the shape a first step did not meet
+        by_function = stats_by_function()
+        r["compiled_by_function"] = _new_versions(by_function, self._by_function_seen)
+        self._by_function_seen = by_function
         self.steps.append(r)
         acc = f" accept {r['accept_len']:.2f}" if r["accept_len"] == r["accept_len"] else ""
         lp = percentiles([float(n) for n in lengths])
@@ -192,6 +212,8 @@ class StepRecorder(Callback):
             + f" | grad norm {r['grad_norm']:.3g}"
             + (f" | {r['graph_captures']:.0f} graphs captured ({r['capture_s']:.1f} s, compiling {r['compile_s']:.1f} s)"
                if r["graph_captures"] else "")
+            + "".join(f" | compiled {name} x{f['compiled']:.0f} in {f['compile_s']:.1f} s"
+                      for name, f in r["compiled_by_function"].items())
             + "".join(f" | NOT FINITE {when}: {', '.join(names)}" for when, names in (
                 ("after the rollout", r["nonfinite_before_update"]), ("after the update", r["nonfinite_after_update"]),
                 ("after the boundary", r["nonfinite_after_boundary"])) if names)
