@@ -104,22 +104,19 @@ def reference_cached_attention(
         ``(B, Q, nh, hd)`` in ``q``'s dtype.
     """
     bsz, q_len, num_heads, head_dim = q.shape
-    num_kv = k_cache.shape[2]
-    group = num_heads // num_kv
     t = k_cache.shape[1] if kv_len is None else kv_len
     keys = k_cache[:bsz, :t].transpose(1, 2)  # (B, n_kv, T, hd)
     vals = v_cache[:bsz, :t].transpose(1, 2)
-    # GQA as extra query rows: (B, Q, n_kv, g, hd) -> (B, n_kv, Q*g, hd), so any SDPA kernel with a mask works
-    qg = q.view(bsz, q_len, num_kv, group, head_dim).permute(0, 2, 1, 3, 4)
-    qg = qg.reshape(bsz, num_kv, q_len * group, head_dim)
     keys_pos = torch.arange(t, device=q.device)[None, None, :]
     visible = keys_pos <= positions[:, :, None]  # (B, Q, T)
     if hole is not None:
         visible = visible & ((keys_pos < hole[:, None, :1]) | (keys_pos >= hole[:, None, 1:]))
-    mask = visible[:, None, :, None, :].expand(bsz, 1, q_len, group, t).reshape(bsz, 1, q_len * group, t)
-    out = F.scaled_dot_product_attention(qg, keys.to(qg.dtype), vals.to(qg.dtype), attn_mask=mask)
-    out = out.view(bsz, num_kv, q_len, group, head_dim).permute(0, 2, 1, 3, 4)
-    return out.reshape(bsz, q_len, num_heads, head_dim)
+    # GQA by SDPA itself (query head h reads key head h // group); transposes only: no reshape whose being a
+    # view depends on a size of 1, which a compiled step would guard on (a version for Q = 1, one for B = 1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys.to(q.dtype), vals.to(q.dtype), attn_mask=visible[:, None], enable_gqa=True
+    )
+    return out.transpose(1, 2).contiguous()
 
 
 # ------------------------------------------------------------------------------------------ Triton

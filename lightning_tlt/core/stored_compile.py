@@ -228,7 +228,10 @@ class StoredCompile:
             # equal to a buffer's width) were unified into one symbol, and each later call where they differ
             # compiled a version of its own (the speculative step's verify update: 13 versions for 5 batches x 4
             # draft lengths on the CPU, 2 without).
-            no_duck_shapes = fx_config.patch(use_duck_shape=False)  # type: ignore[attr-defined]
+            # Sizes size-oblivious: a dynamic size is not specialised to 1 (Dynamo's default gives a batch of 1
+            # or a one-token query a version of its own), where torch has the option.
+            oblivious = {"backed_size_oblivious": True} if hasattr(fx_config, "backed_size_oblivious") else {}
+            no_duck_shapes = fx_config.patch(use_duck_shape=False, **oblivious)  # type: ignore[attr-defined]
             with torch._dynamo.config.patch(enable_aot_compile=True, specialize_float=True,
                                             automatic_dynamic_shapes=False), no_duck_shapes:
                 # made under the flag: torch 2.11 gives the wrapper its `aot_compile` only when it is on

@@ -284,6 +284,7 @@ def verify_update(
     """
     spec = st.spec
     assert spec is not None and st.counters is not None
+    torch._check(logits.shape[0] == batch)  # one size for the forward's rows and the slots': no guard on batch 1
     pos = st.positions[:batch]
     count = st.num_generated[:batch]
     drafts = spec.draft_tokens[:batch, :k]

@@ -129,6 +129,8 @@ def residual_probs(p: Tensor, q: Tensor) -> Tensor:
 def _chain_shape(draft_tokens: Tensor, target_probs: Tensor) -> tuple[int, int]:
     """``(B, k)`` of the drafts, checked against the target's ``(B, k + 1, V)``."""
     bsz, k = draft_tokens.shape
+    if torch.compiler.is_compiling():  # the engine's own shapes; a compiled check would guard on every size
+        return bsz, k
     if target_probs.dim() != 3 or target_probs.shape[:2] != (bsz, k + 1):
         raise ValueError(
             f"target_probs must have shape (B, k + 1, V) = ({bsz}, {k + 1}, V), got {tuple(target_probs.shape)}"
@@ -191,12 +193,14 @@ def verify_chain(
     bsz, k = _chain_shape(draft_tokens, target_probs)
     vocab = target_probs.shape[-1]
     width = vocab if draft_vocab is None else draft_vocab.shape[0]
-    if draft_probs is not None and draft_probs.shape != (bsz, k, width):
+    if not torch.compiler.is_compiling() and draft_probs is not None and draft_probs.shape != (bsz, k, width):
         raise ValueError(
             f"draft_probs must have shape (B, k, V) = ({bsz}, {k}, {width}) or be None, "
             f"got {tuple(draft_probs.shape)}"
         )
-    if draft_vocab is not None and (draft_index is None or draft_index.shape != (bsz, k)):
+    if not torch.compiler.is_compiling() and draft_vocab is not None and (
+        draft_index is None or draft_index.shape != (bsz, k)
+    ):
         raise ValueError("draft_vocab needs draft_index, the (B, k) column of each drafted token in draft_probs")
     device = target_probs.device
     positions = torch.arange(k + 1, device=device)  # (k+1,)
