@@ -188,13 +188,13 @@ class PolicyRegions:
         fused = runner.layer_fusions()
         x, cos, sin = self.embed(runner, tokens, positions)
         layer_hidden = {0: x} if 0 in capture else {}
-        delta: Tensor | None = None
+        # the first layer adds zeros (exact): with ``None`` there, every layer function compiled twice
+        delta = torch.zeros_like(x)
         for i, layer in enumerate(runner.layers):
             x, delta = self.layer(runner, layer, fused[i], x, delta, cos, sin, positions, k_cache[i], v_cache[i],
                                   kv_len)  # fmt: skip
             if i + 1 in capture and i + 1 < num_layers:
                 layer_hidden[i + 1] = x + delta
-        assert delta is not None, "a policy without layers"
         logits, hidden = self.head(runner, x, delta)
         if not capture:
             return logits, hidden
@@ -284,13 +284,18 @@ def verify_update(
     """
     spec = st.spec
     assert spec is not None and st.counters is not None
-    torch._check(logits.shape[0] == batch)  # one size for the forward's rows and the slots': no guard on batch 1
-    pos = st.positions[:batch]
-    count = st.num_generated[:batch]
-    drafts = spec.draft_tokens[:batch, :k]
+    torch._check(logits.shape[0] == batch)  # the forward's rows are the slots': one size, not three
+    torch._check(hidden.shape[0] == batch)
+
+    def rows(t: Tensor) -> Tensor:  # slots 0..batch-1: exactly ``batch`` rows, where ``t[:batch]`` is
+        return t.narrow(0, 0, batch)  # min(batch, len(t)) to the compiler, which kept a version for batch 1
+
+    pos = rows(st.positions)
+    count = rows(st.num_generated)
+    drafts = rows(spec.draft_tokens)[:, :k]
     target = processed_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # (B, k+1, V)
-    lens = spec.draft_lens[:batch]
-    keys = st.keys[:batch]
+    lens = rows(spec.draft_lens)
+    keys = rows(st.keys)
     if sampling.greedy:  # one-hot targets: accept iff the draft is the argmax, emit the argmax
         result = verify_coupled(drafts, target, lens, noise=torch.ones_like(target))
     elif coupled:
@@ -298,10 +303,10 @@ def verify_update(
     else:
         result = verify_chain(
             drafts, draft_probs, target, lens,
-            draft_vocab=draft_vocab, draft_index=None if draft_vocab is None else spec.draft_index[:batch, :k],
+            draft_vocab=draft_vocab, draft_index=None if draft_vocab is None else rows(spec.draft_index)[:, :k],
             keys=keys, start=count,
         )  # fmt: skip
-    active = ~st.finished[:batch]
+    active = ~rows(st.finished)
     offsets = torch.arange(k + 1, device=pos.device)
     toks, logps = result.tokens, result.logprobs  # (B, k+1)
     emitted = offsets[None] < result.num_emitted[:, None]
@@ -312,27 +317,27 @@ def verify_update(
     write = offsets[None] < take[:, None]
     sink = st.out_tokens.shape[1] - 1
     columns = torch.where(write, count[:, None] + offsets[None], torch.full_like(toks, sink))
-    st.out_tokens[:batch].scatter_(1, columns, toks)
-    st.out_logprobs[:batch].scatter_(1, columns, logps.float())
+    rows(st.out_tokens).scatter_(1, columns, toks)
+    rows(st.out_logprobs).scatter_(1, columns, logps.float())
     new_count = count + take
     stopped = (is_stop & write).any(1)
-    st.finished[:batch] = st.finished[:batch] | (active & (stopped | (new_count >= st.max_new)))
-    st.num_generated[:batch] = new_count
+    rows(st.finished).copy_(rows(st.finished) | (active & (stopped | (new_count >= st.max_new))))
+    rows(st.num_generated).copy_(new_count)
     last = toks.gather(1, (take - 1).clamp_min(0)[:, None])[:, 0]
-    st.tokens[:batch] = torch.where(active, last, st.tokens[:batch])
-    st.positions[:batch] = pos + take
-    rows = torch.arange(batch, device=pos.device)
-    newest = hidden[rows, (take - 1).clamp_min(0)]  # (B, F): the feature that predicted the pending token
-    st.hidden[:batch] = torch.where(active[:, None], newest.to(st.hidden.dtype), st.hidden[:batch])
+    rows(st.tokens).copy_(torch.where(active, last, rows(st.tokens)))
+    rows(st.positions).copy_(pos + take)
+    row_ids = torch.arange(batch, device=pos.device)
+    newest = hidden[row_ids, (take - 1).clamp_min(0)]  # (B, F): the feature that predicted the pending token
+    rows(st.hidden).copy_(torch.where(active[:, None], newest.to(st.hidden.dtype), rows(st.hidden)))
     # the EAGLE catch-up block of the next step: true features and the tokens that followed them
-    spec.cu_feat[:batch, : k + 1] = hidden.to(spec.cu_feat.dtype)
-    spec.cu_tok[:batch, : k + 1] = toks
-    spec.cu_base[:batch] = pos
-    spec.cu_valid[:batch] = take.clamp_min(1)
-    spec.cu_fresh[:batch] = active
+    rows(spec.cu_feat).index_copy_(1, offsets, hidden.to(spec.cu_feat.dtype))
+    rows(spec.cu_tok).index_copy_(1, offsets, toks)
+    rows(spec.cu_base).copy_(pos)
+    rows(spec.cu_valid).copy_(take.clamp_min(1))
+    rows(spec.cu_fresh).copy_(active)
     accepted = torch.where(active, result.num_accepted, torch.zeros_like(take))
-    spec.num_accepted[:batch] = accepted
-    spec.emitted[:batch] = take
+    rows(spec.num_accepted).copy_(accepted)
+    rows(spec.emitted).copy_(take)
     # speculation counters: rows verified, tokens emitted, per position reached / accepted
     act = active.double()
     c = st.counters

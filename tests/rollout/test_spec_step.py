@@ -318,12 +318,14 @@ def test_every_step_shape_of_a_speculating_engine_stays_compiled(monkeypatch: py
                 for width in (1, 3, 5, 9):
                     engine.speculative_step.eagle_step(engine.step_context(), batch, k, width, key, drafter, None)
         assert dynamo_config.recompile_limit >= 64 and engine.compile_failures == []
-        # one version serves many batches and draft lengths: with Dynamo's duck shaping (equal sizes of the
-        # first call unified) and k = max_draft_tokens slicing a buffer's whole width, 14, 4, 11 and 9
+        # few versions serve every batch and draft length: with Dynamo's duck shaping (equal sizes of the
+        # first call unified) and k = max_draft_tokens slicing a buffer's whole width, 14, 4, 11 and 9; then,
+        # with a batch of 1 and a catch-up width of 1 specialised, 3, 3, 6 and 4. (The same calls under
+        # no_grad, as the engine makes them, compiled one version each on the CPU.)
         step = engine.speculative_step
         versions = [getattr(step, n).num_versions for n in ("_verify_update", "_draft_sample", "_catch_up_rows",
                                                              "_chain_row")]  # fmt: skip
-        assert all(n <= most for n, most in zip(versions, [3, 3, 6, 4])), versions
+        assert all(n <= most for n, most in zip(versions, [2, 2, 3, 3])), versions
     # outside no_grad the regions' inputs require grad: a version compiled from an alias that did not once
     # made every call compile anew, past the 64 versions a stored function may hold
     assert stored_compile.stats()["fell_back"] == fell_back
@@ -354,8 +356,8 @@ def test_each_step_function_compiles_once_for_every_bucket_and_draft_length(
     # (static batch, then dynamic, then a verify) and compiled 55 graphs' worth of versions in 108 s.
     # Now each step function has one version for every batch bucket and draft length, compiled on its
     # first use: the forward's regions two each (a decode's one token a row, which Dynamo specialises,
-    # and a verify's k + 1; the layer twice that: the first layer, and the one version every other
-    # layer runs), the verify update two (a host drafter's drafts without probabilities, EAGLE's with),
+    # and a verify's k + 1; every layer runs the same version), the verify update two (a host drafter's
+    # drafts without probabilities, EAGLE's with),
     # the others one; the calls after the ones that first met them compile nothing
     from torch._dynamo.utils import counters
 
@@ -385,7 +387,7 @@ def test_each_step_function_compiles_once_for_every_bucket_and_draft_length(
     assert sum(lone[1:]) > 0, f"the tails ran down to a lone row: {lone}"
     assert len(ks - {0}) >= 2, f"several draft lengths were met: {ks}"
     assert engine.graph_cache is not None and engine.graph_cache.buckets[0] == 2
-    regions = ["policy_embed"] * 2 + ["policy_layer"] * 4 + ["policy_head"] * 2
+    regions = ["policy_embed"] * 2 + ["policy_layer"] * 2 + ["policy_head"] * 2
     assert sorted(compiled) == sorted([*regions, "decode_update", "verify_update", "verify_update",
                                        "catch_up_rows", "chain_row", "draft_sample"]), compiled
     assert sum(per_call) == len(compiled), per_call  # every version Dynamo made is one of those
