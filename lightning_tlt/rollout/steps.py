@@ -20,6 +20,7 @@ layer runs, the head), or as one graph (`policy_step`); these are the rest of a 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -235,6 +236,13 @@ def row_noise(keys: Tensor, positions: Tensor, vocab: int, purpose: int = NOISE_
     return keyed_exponential(keys, positions, purpose, torch.arange(vocab, device=keys.device))
 
 
+def _slots(t: Tensor, batch: int) -> Tensor:
+    """Rows ``0..batch-1`` of a slot buffer, exactly ``batch`` of them. To the compiler ``t[:batch]`` is
+    ``min(batch, len(t))`` rows: compiled size-oblivious, torch 2.11 could not compile the step with it, and
+    otherwise a batch of 1 kept a version of its own."""
+    return t.narrow(0, 0, batch)
+
+
 def decode_update(st: SlotState, batch: int, logits: Tensor, hidden: Tensor, sampling: SamplingKey) -> None:
     """Sample the next token of slots ``0..batch-1`` and advance them (in place).
 
@@ -243,22 +251,26 @@ def decode_update(st: SlotState, batch: int, logits: Tensor, hidden: Tensor, sam
     Args:
         logits: ``(B, 1, V)`` of the step's forward; ``hidden``: ``(B, 1, F)`` its features.
     """
-    tokens, positions = st.tokens[:batch], st.positions[:batch]
-    count = st.num_generated[:batch]
-    noise = None if sampling.greedy else row_noise(st.keys[:batch], count, logits.shape[-1])
+    torch._check(logits.shape[0] == batch)  # the forward's rows are the slots': one size, not three
+    torch._check(hidden.shape[0] == batch)
+    rows = functools.partial(_slots, batch=batch)
+
+    tokens, positions = rows(st.tokens), rows(st.positions)
+    count = rows(st.num_generated)
+    noise = None if sampling.greedy else row_noise(rows(st.keys), count, logits.shape[-1])
     new, logp, _ = sample_tokens(logits[:, -1], sampling, noise)
-    active = ~st.finished[:batch]
-    st.hidden[:batch] = hidden[:, -1].to(st.hidden.dtype)
+    active = ~rows(st.finished)
+    rows(st.hidden).copy_(hidden[:, -1].to(st.hidden.dtype))
     sink = st.out_tokens.shape[1] - 1
     column = torch.where(active, count, torch.full_like(count, sink))[:, None]
-    st.out_tokens[:batch].scatter_(1, column, new[:, None])
-    st.out_logprobs[:batch].scatter_(1, column, logp[:, None].float())
+    rows(st.out_tokens).scatter_(1, column, new[:, None])
+    rows(st.out_logprobs).scatter_(1, column, logp[:, None].float())
     count = count + active.long()
     stop = (new[:, None] == st.stop_ids[None, :]).any(-1)
-    st.finished[:batch] = st.finished[:batch] | (active & (stop | (count >= st.max_new)))
-    st.num_generated[:batch] = count
-    st.tokens[:batch] = torch.where(active, new, tokens)
-    st.positions[:batch] = positions + active.long()
+    rows(st.finished).copy_(rows(st.finished) | (active & (stop | (count >= st.max_new))))
+    rows(st.num_generated).copy_(count)
+    rows(st.tokens).copy_(torch.where(active, new, tokens))
+    rows(st.positions).copy_(positions + active.long())
 
 
 def verify_update(
@@ -284,15 +296,18 @@ def verify_update(
     """
     spec = st.spec
     assert spec is not None and st.counters is not None
-    torch._check(logits.shape[0] == batch)  # the forward's rows are the slots': one size, not three
-    torch._check(hidden.shape[0] == batch)
-
-    def rows(t: Tensor) -> Tensor:  # slots 0..batch-1: exactly ``batch`` rows, where ``t[:batch]`` is
-        return t.narrow(0, 0, batch)  # min(batch, len(t)) to the compiler, which kept a version for batch 1
+    # the forward's rows are the slots' and its queries k + 1: one size each, not several the compiler guards apart
+    for tensor in (logits, hidden) if draft_probs is None else (logits, hidden, draft_probs):
+        torch._check(tensor.shape[0] == batch)
+    torch._check(logits.shape[1] == k + 1)
+    torch._check(hidden.shape[1] == k + 1)
+    if draft_probs is not None:
+        torch._check(draft_probs.shape[1] == k)
+    rows = functools.partial(_slots, batch=batch)
 
     pos = rows(st.positions)
     count = rows(st.num_generated)
-    drafts = rows(spec.draft_tokens)[:, :k]
+    drafts = rows(spec.draft_tokens).narrow(1, 0, k)
     target = processed_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # (B, k+1, V)
     lens = rows(spec.draft_lens)
     keys = rows(st.keys)
@@ -303,7 +318,7 @@ def verify_update(
     else:
         result = verify_chain(
             drafts, draft_probs, target, lens,
-            draft_vocab=draft_vocab, draft_index=None if draft_vocab is None else rows(spec.draft_index)[:, :k],
+            draft_vocab=draft_vocab, draft_index=None if draft_vocab is None else rows(spec.draft_index).narrow(1, 0, k),
             keys=keys, start=count,
         )  # fmt: skip
     active = ~rows(st.finished)
@@ -330,8 +345,11 @@ def verify_update(
     newest = hidden[row_ids, (take - 1).clamp_min(0)]  # (B, F): the feature that predicted the pending token
     rows(st.hidden).copy_(torch.where(active[:, None], newest.to(st.hidden.dtype), rows(st.hidden)))
     # the EAGLE catch-up block of the next step: true features and the tokens that followed them
-    rows(spec.cu_feat).index_copy_(1, offsets, hidden.to(spec.cu_feat.dtype))
-    rows(spec.cu_tok).index_copy_(1, offsets, toks)
+    # (the whole width written, zeros past k + 1, never read: a copy into a view of k + 1 columns made the
+    # compiler guard on a batch of 1, and index_copy_ hit a bug of Inductor's C++ code on the CPU)
+    pad = spec.cu_feat.shape[1] - (k + 1)
+    rows(spec.cu_feat).copy_(F.pad(hidden.to(spec.cu_feat.dtype), (0, 0, 0, pad)))
+    rows(spec.cu_tok).copy_(F.pad(toks, (0, pad)))
     rows(spec.cu_base).copy_(pos)
     rows(spec.cu_valid).copy_(take.clamp_min(1))
     rows(spec.cu_fresh).copy_(active)
@@ -344,9 +362,10 @@ def verify_update(
     c[0, 0] += act.sum()
     c[0, 1] += ((accepted + 1).double() * act).sum()
     c[0, 2] += take.double().sum()
-    pos_k = offsets[:k][None]
-    c[1, :k] += (((accepted[:, None] >= pos_k) & (lens[:, None] > pos_k)).double() * act[:, None]).sum(0)
-    c[2, :k] += ((accepted[:, None] > pos_k).double() * act[:, None]).sum(0)
+    pos_k = offsets.narrow(0, 0, k)[None]
+    reached = ((accepted[:, None] >= pos_k) & (lens[:, None] > pos_k)).double() * act[:, None]
+    c[1].narrow(0, 0, k).add_(reached.sum(0))
+    c[2].narrow(0, 0, k).add_(((accepted[:, None] > pos_k).double() * act[:, None]).sum(0))
 
 
 def draft_sample(
