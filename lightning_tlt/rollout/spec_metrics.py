@@ -150,10 +150,13 @@ class SpeculationMetrics:
     """
 
     def __init__(self, max_draft_tokens: int = 16, device: torch.device | str | None = None) -> None:
-        self.acceptance_length = AcceptanceLength()
-        self.acceptance_by_position = AcceptanceRateByPosition(max_draft_tokens)
-        self.speculative_share = SpeculativeShare()
-        self.tokens_per_second = TokensPerSecond()
+        # one engine's rollout on one rank: computed where it ran, never gathered (torchmetrics would all_gather
+        # these CPU counters once a process group exists, which NCCL refuses: the one-GPU FSDP run, 2026-12-06)
+        local = {"sync_on_compute": False}
+        self.acceptance_length = AcceptanceLength(**local)
+        self.acceptance_by_position = AcceptanceRateByPosition(max_draft_tokens, **local)
+        self.speculative_share = SpeculativeShare(**local)
+        self.tokens_per_second = TokensPerSecond(**local)
         if device is not None:
             for metric in self._metrics():
                 metric.to(device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -264,6 +265,30 @@ def test_speculation_metrics_hand_computed() -> None:
     assert metrics.stats() == {}
     with pytest.raises(ValueError, match="phase must be one of"):
         metrics.update_step(False, "done", 1, 0.1)
+
+
+def test_speculation_metrics_are_rank_local_under_a_process_group(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    # torchmetrics gathers a metric's state across ranks in compute() once a process group exists; the
+    # engine's CPU counters under NCCL then failed the one-GPU FSDP run ("No backend type associated with
+    # device type cpu"). The engine's figures are its own rank's: no collective
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise AssertionError("a collective in the engine's metrics")
+
+        monkeypatch.setattr(dist, "all_gather", refuse)
+        monkeypatch.setattr(dist, "all_gather_object", refuse)
+        metrics = SpeculationMetrics(max_draft_tokens=2)
+        metrics.update_verify(torch.tensor([2, 0]), torch.tensor([2, 2]))
+        metrics.update_step(True, "speculative", 4, 0.5)
+        stats = metrics.stats()
+        assert stats["spec/acceptance_length"] == pytest.approx(4 / 2)
+        assert stats["tokens_per_s/speculative"] == pytest.approx(8.0)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_the_engine_config_carries_the_bound() -> None:
