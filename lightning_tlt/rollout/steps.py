@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -243,6 +243,14 @@ def _slots(t: Tensor, batch: int) -> Tensor:
     return t.narrow(0, 0, batch)
 
 
+def _slot_rows(batch: int, *forward_outputs: Tensor) -> Callable[[Tensor], Tensor]:
+    """`_slots` for ``batch``, after tying the step forward's outputs to it (``torch._check``: their rows are the
+    slots', one size to the compiler, not several it would guard apart)."""
+    for tensor in forward_outputs:
+        torch._check(tensor.shape[0] == batch)
+    return functools.partial(_slots, batch=batch)
+
+
 def decode_update(st: SlotState, batch: int, logits: Tensor, hidden: Tensor, sampling: SamplingKey) -> None:
     """Sample the next token of slots ``0..batch-1`` and advance them (in place).
 
@@ -251,9 +259,7 @@ def decode_update(st: SlotState, batch: int, logits: Tensor, hidden: Tensor, sam
     Args:
         logits: ``(B, 1, V)`` of the step's forward; ``hidden``: ``(B, 1, F)`` its features.
     """
-    torch._check(logits.shape[0] == batch)  # the forward's rows are the slots': one size, not three
-    torch._check(hidden.shape[0] == batch)
-    rows = functools.partial(_slots, batch=batch)
+    rows = _slot_rows(batch, logits, hidden)
 
     tokens, positions = rows(st.tokens), rows(st.positions)
     count = rows(st.num_generated)
@@ -296,14 +302,11 @@ def verify_update(
     """
     spec = st.spec
     assert spec is not None and st.counters is not None
-    # the forward's rows are the slots' and its queries k + 1: one size each, not several the compiler guards apart
-    for tensor in (logits, hidden) if draft_probs is None else (logits, hidden, draft_probs):
-        torch._check(tensor.shape[0] == batch)
-    torch._check(logits.shape[1] == k + 1)
+    rows = _slot_rows(batch, logits, hidden, *(() if draft_probs is None else (draft_probs,)))
+    torch._check(logits.shape[1] == k + 1)  # the forward's queries k + 1, the drafts k: one size each
     torch._check(hidden.shape[1] == k + 1)
     if draft_probs is not None:
         torch._check(draft_probs.shape[1] == k)
-    rows = functools.partial(_slots, batch=batch)
 
     pos = rows(st.positions)
     count = rows(st.num_generated)
