@@ -136,7 +136,7 @@ def _linear(x: Tensor, layer: HFModule) -> Tensor:
 
 def rope_cos_sin(positions: Tensor, inv_freq: Tensor, scaling: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """RoPE tables for ``positions`` ``(B, q)``, as HF computes them; returns two ``(B, q, hd)``."""
-    freqs = positions[..., None].float() * inv_freq.float()  # (B, q, hd/2)
+    freqs = positions.float()[..., None] * inv_freq.float()  # (B, q, hd/2); cast first: a fresh contiguous tensor
     emb = torch.cat((freqs, freqs), dim=-1)  # (B, q, hd)
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
@@ -214,11 +214,11 @@ def decoder_layer_split(
     norm_in = getattr(layer, "input_layernorm", None)
     h = rms_norm(x, norm_in) if isinstance(norm_in, nn.Module) else x
     if fused is not None:  # one GEMM for q, k and v (the weights' copy `FusedProjections` keeps)
-        qkv = F.linear(h, fused.qkv_weight, fused.qkv_bias)
-        q_, k_, v_ = qkv.split((num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim), -1)
-        q = q_.reshape(bsz, q_len, num_heads, head_dim)
-        k = k_.reshape(bsz, q_len, num_kv_heads, head_dim)
-        v = v_.reshape(bsz, q_len, num_kv_heads, head_dim)
+        # heads first, then q, k and v: a view of the whole (contiguous) output. Split first, each part's
+        # reshape is a view of a strided slice, whose strides a compile can only prove by guarding on
+        # one-token queries and one-row batches (a version of its own for each)
+        qkv = F.linear(h, fused.qkv_weight, fused.qkv_bias).unflatten(-1, (num_heads + 2 * num_kv_heads, head_dim))
+        q, k, v = qkv.split((num_heads, num_kv_heads, num_kv_heads), 2)
     else:
         q = _linear(h, attn.q_proj).view(bsz, q_len, num_heads, head_dim)
         k = _linear(h, attn.k_proj).view(bsz, q_len, num_kv_heads, head_dim)

@@ -78,15 +78,16 @@ def compile_settings() -> contextlib.AbstractContextManager[None]:
 
 
 def rows_dynamic(runner: Any, tokens: Tensor, positions: Tensor, *rest: Any) -> dict[int, list[int]]:
-    """`policy_step`'s dynamic sizes (a `lightning_tlt.core.stored_compile.DynamicDims`): the rows, and a
-    verify's tokens per row above one, of ``tokens`` and ``positions`` (its arguments 1 and 2).
+    """`policy_step`'s dynamic sizes (a `lightning_tlt.core.stored_compile.DynamicDims`): the rows and the
+    tokens per row of ``tokens`` and ``positions`` (its arguments 1 and 2).
 
     Without them the first batch compiles a static version and the second a dynamic one (and the
-    first verify another static one): one trace of the whole policy each. Sizes 0 and 1 cannot be
-    dynamic (Dynamo specialises them): a decode's single token per row stays static.
+    first verify another static one): one trace of the whole policy each. A size of 1 is marked too: a
+    stored version is compiled size-oblivious (`lightning_tlt.core.stored_compile`), so a decode's one
+    token a row and a verify's ``k + 1`` share one version (where torch lacks that option, or under plain
+    ``torch.compile``, Dynamo specialises the 1 and the verify compiles a second version, as before).
     """
-    dims = [d for d in (0, 1) if tokens.shape[d] > 1]
-    return {1: dims, 2: dims}
+    return {1: [0, 1], 2: [0, 1]}
 
 
 def policy_step(
@@ -147,14 +148,12 @@ def policy_head(runner: ModelRunner, x: Tensor, delta: Tensor) -> tuple[Tensor, 
 
 
 def _rows_dynamic_at(*indices: int) -> DynamicDims:
-    """A region's dynamic sizes: the rows, and a verify's tokens per row above one, of its arguments at
-    ``indices`` that are tensors (as `rows_dynamic`; every tensor of the same rows marked alike, so that
-    no operation between them specialises one)."""
+    """A region's dynamic sizes: the rows and the tokens per row of its arguments at ``indices`` that are
+    tensors (as `rows_dynamic`; every tensor of the same rows marked alike, so that no operation between
+    them specialises one)."""
 
     def dims(*args: Any) -> dict[int, list[int]]:
-        first = next(args[i] for i in indices if args[i] is not None)
-        sizes = [d for d in (0, 1) if first.shape[d] > 1]
-        return {i: sizes for i in indices if args[i] is not None}
+        return {i: [0, 1] for i in indices if args[i] is not None}
 
     return dims
 
