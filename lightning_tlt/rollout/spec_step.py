@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from lightning_tlt.core.kv_cache import KVCache
+from lightning_tlt.core.runner import rope_cos_sin
 from lightning_tlt.core.stored_compile import CompileStore
 from lightning_tlt.core.types import SamplingConfig
 from lightning_tlt.drafters.base import Drafter, DraftRow, capability
@@ -331,21 +332,23 @@ class SpeculativeStep:
         spec.draft_start[:batch] = torch.where(fresh, spec.draft_start[:batch], base)
         lo = spec.prefix_end[:batch] + 1
         hole = torch.stack([lo, torch.maximum(spec.draft_start[:batch], lo)], dim=1)  # (B, 2)
-        # the catch-up rows at base + 0..W-1, then the k - 1 chained rows after the pending token's position:
-        # each its own tensor (a slice of one would reach the compiled functions with its base's strides,
-        # and a one-row or one-token call would compile a version of its own); RoPE is computed inside
-        catch_up_pos = base[:, None] + torch.arange(width, device=base.device)[None]  # (B, W)
-        last = base + valid - 1  # the pending token's position
+        # positions and RoPE of the whole chain, once: the catch-up block, then k - 1 chained rows
+        steps = torch.arange(width + k - 1, device=base.device)
+        chain_pos = base[:, None] + steps[None]  # catch-up rows at base + 0..W-1
+        chain_pos[:, width:] = (base + valid - 1)[:, None] + steps[None, 1:k]
+        cos, sin = rope_cos_sin(chain_pos, drafter.inv_freq, drafter.rope_scaling, drafter.fc.weight.dtype)
         dk, dv = spec.dcache.k[0], spec.dcache.v[0]
-        pred = self._catch_up_rows(drafter, feats, toks, catch_up_pos, dk, dv, hole, ctx.attention)  # (B, W, H)
+        pred = self._catch_up_rows(drafter, feats, toks, chain_pos[:, :width], dk, dv, hole,
+                                  cos[:, :width], sin[:, :width], ctx.attention)  # (B, W, H)
         rows = torch.arange(batch, device=base.device)
         feature = pred[rows, valid - 1]  # (B, H): the predicted feature of the pending token's position
         token = st.tokens[:batch]
         probs, indices, tokens = [], [], []
         for j in range(k):
             if j > 0:
-                feature = self._chain_row(drafter, feature, token, (last + j)[:, None], dk, dv, hole,
-                                          ctx.attention)
+                p = width + j - 1
+                feature = self._chain_row(drafter, feature, token, chain_pos[:, p : p + 1], dk, dv, hole,
+                                          cos[:, p : p + 1], sin[:, p : p + 1], ctx.attention)
             index, q = self._draft_sample(feature, head, bias, keys, count + j, self.coupled, ids, sampling)
             token = index if ids is None else ids[index]
             probs.append(q)
@@ -372,7 +375,7 @@ class SpeculativeStep:
                                      kv_len)
         if probs is not None:
             probs = probs[:batch, :k]
-        self._verify_update(st, batch, k, logits, hidden, probs, sampling, draft_vocab, self.coupled)
+        self._verify_update(st, logits, hidden, probs, sampling, draft_vocab, self.coupled)
 
     # ------------------------------------------------------------------ host drafting
     def _draft_host(
@@ -437,14 +440,15 @@ def drafter_rows(
     k_cache: Tensor,
     v_cache: Tensor,
     hole: Tensor,
+    cos: Tensor,
+    sin: Tensor,
     attention: str,
 ) -> Tensor:
-    """The drafter's layer over ``(B, q)`` rows against its cache (catch-up block or one chained row), RoPE
-    computed from ``positions`` inside."""
+    """The drafter's layer over ``(B, q)`` rows against its cache (catch-up block or one chained row)."""
     x = drafter.input_hidden(feats.to(drafter.fc.weight.dtype), tokens)
     # every argument passed: a stored compiled version must not guard on a default (`policy_step`)
     return drafter.layer_forward(x, positions, k_cache, v_cache, prefill=False, attention=attention, hole=hole,
-                                 rope=None, keep=None)
+                                 rope=(cos, sin), keep=None)
 
 
 def catch_up_rows(*args: Any, **kwargs: Any) -> Tensor:

@@ -170,7 +170,7 @@ class StepRunner(DrafterHosting):
         capture = self._capture_layers()
         logits, hidden = self._call_forward(st.tokens[:batch, None], st.positions[:batch, None], cache.k, cache.v,
                                             capture, kv_len)
-        self._decode_update(st, batch, logits, hidden, sampling)
+        self._decode_update(st, logits, hidden, sampling)
 
     def _run_plain(self, batch: int, sampling: SamplingKey, kv_len: int | None) -> None:
         """The plain decode step over ``batch`` slots, from its profile's graph."""

@@ -78,16 +78,15 @@ def compile_settings() -> contextlib.AbstractContextManager[None]:
 
 
 def rows_dynamic(runner: Any, tokens: Tensor, positions: Tensor, *rest: Any) -> dict[int, list[int]]:
-    """`policy_step`'s dynamic sizes (a `lightning_tlt.core.stored_compile.DynamicDims`): the rows and the
-    tokens per row of ``tokens`` and ``positions`` (its arguments 1 and 2).
+    """`policy_step`'s dynamic sizes (a `lightning_tlt.core.stored_compile.DynamicDims`): the rows, and a
+    verify's tokens per row above one, of ``tokens`` and ``positions`` (its arguments 1 and 2).
 
     Without them the first batch compiles a static version and the second a dynamic one (and the
-    first verify another static one): one trace of the whole policy each. A size of 1 is marked too: a
-    stored version is compiled size-oblivious (`lightning_tlt.core.stored_compile`), so a decode's one
-    token a row and a verify's ``k + 1`` share one version (where torch lacks that option, or under plain
-    ``torch.compile``, Dynamo specialises the 1 and the verify compiles a second version, as before).
+    first verify another static one): one trace of the whole policy each. Sizes 0 and 1 cannot be
+    dynamic (Dynamo specialises them): a decode's single token per row stays static.
     """
-    return {1: [0, 1], 2: [0, 1]}
+    dims = [d for d in (0, 1) if tokens.shape[d] > 1]
+    return {1: dims, 2: dims}
 
 
 def policy_step(
@@ -148,12 +147,14 @@ def policy_head(runner: ModelRunner, x: Tensor, delta: Tensor) -> tuple[Tensor, 
 
 
 def _rows_dynamic_at(*indices: int) -> DynamicDims:
-    """A region's dynamic sizes: the rows and the tokens per row of its arguments at ``indices`` that are
-    tensors (as `rows_dynamic`; every tensor of the same rows marked alike, so that no operation between
-    them specialises one)."""
+    """A region's dynamic sizes: the rows, and a verify's tokens per row above one, of its arguments at
+    ``indices`` that are tensors (as `rows_dynamic`; every tensor of the same rows marked alike, so that
+    no operation between them specialises one)."""
 
     def dims(*args: Any) -> dict[int, list[int]]:
-        return {i: [0, 1] for i in indices if args[i] is not None}
+        first = next(args[i] for i in indices if args[i] is not None)
+        sizes = [d for d in (0, 1) if first.shape[d] > 1]
+        return {i: sizes for i in indices if args[i] is not None}
 
     return dims
 
@@ -242,23 +243,32 @@ def _slots(t: Tensor, batch: int) -> Tensor:
     return t.narrow(0, 0, batch)
 
 
-def _slot_rows(batch: int, *forward_outputs: Tensor) -> Callable[[Tensor], Tensor]:
-    """`_slots` for ``batch``, after tying the step forward's outputs to it (``torch._check``: their rows are the
-    slots', one size to the compiler, not several it would guard apart)."""
-    for tensor in forward_outputs:
+def _packed(t: Tensor) -> Tensor:
+    """A copy of ``t`` with the strides of its sizes (``clone(contiguous_format)``: no contiguity to decide)."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _slot_rows(*forward_outputs: Tensor) -> Callable[[Tensor], Tensor]:
+    """`_slots` for the step forward's rows, after tying its outputs' rows together (``torch._check``: one
+    size to the compiler, not several it would guard apart).
+
+    The batch is read from the tensors, not passed as an int: Dynamo gives an int of 0 or 1 a version of
+    its own (a batch of 1, a draft length of 1), while a size of 1 is compiled size-oblivious."""
+    batch = forward_outputs[0].shape[0]
+    for tensor in forward_outputs[1:]:
         torch._check(tensor.shape[0] == batch)
     return functools.partial(_slots, batch=batch)
 
 
-def decode_update(st: SlotState, batch: int, logits: Tensor, hidden: Tensor, sampling: SamplingKey) -> None:
-    """Sample the next token of slots ``0..batch-1`` and advance them (in place).
+def decode_update(st: SlotState, logits: Tensor, hidden: Tensor, sampling: SamplingKey) -> None:
+    """Sample the next token of slots ``0..B-1`` and advance them (in place).
 
     The race's noise is keyed by each row's key and completion position (`row_noise`).
 
     Args:
         logits: ``(B, 1, V)`` of the step's forward; ``hidden``: ``(B, 1, F)`` its features.
     """
-    rows = _slot_rows(batch, logits, hidden)
+    rows = _slot_rows(logits, hidden)
 
     tokens, positions = rows(st.tokens), rows(st.positions)
     count = rows(st.num_generated)
@@ -280,8 +290,6 @@ def decode_update(st: SlotState, batch: int, logits: Tensor, hidden: Tensor, sam
 
 def verify_update(
     st: SlotState,
-    batch: int,
-    k: int,
     logits: Tensor,
     hidden: Tensor,
     draft_probs: Tensor | None,
@@ -289,11 +297,12 @@ def verify_update(
     draft_vocab: Tensor | None = None,
     coupled: bool = False,
 ) -> None:
-    """Verify the drafts of slots ``0..batch-1`` and advance each row by what it accepted.
+    """Verify the drafts of slots ``0..B-1`` and advance each row by what it accepted.
 
     Args:
         logits, hidden: ``(B, k + 1, V)`` and ``(B, k + 1, F)`` of the verify forward over
-            ``[pending token, d_0 .. d_{k-1}]``.
+            ``[pending token, d_0 .. d_{k-1}]`` (the batch and the draft length are read from them: see
+            `_slot_rows`).
         draft_probs: ``(B, k, V or Vd)`` the drafts' distributions, ``None`` for deterministic drafts.
         draft_vocab: ``(Vd,)`` target ids of ``draft_probs``' columns, or ``None``.
         coupled: `verify_coupled` (the plain sampler's tokens) instead of rejection sampling
@@ -301,15 +310,17 @@ def verify_update(
     """
     spec = st.spec
     assert spec is not None and st.counters is not None
-    rows = _slot_rows(batch, logits, hidden, *(() if draft_probs is None else (draft_probs,)))
-    torch._check(logits.shape[1] == k + 1)  # the forward's queries k + 1, the drafts k: one size each
-    torch._check(hidden.shape[1] == k + 1)
+    rows = _slot_rows(logits, hidden, *(() if draft_probs is None else (draft_probs,)))
+    k = logits.shape[1] - 1
+    torch._check(hidden.shape[1] == k + 1)  # the forward's queries k + 1, the drafts k: one size each
     if draft_probs is not None:
         torch._check(draft_probs.shape[1] == k)
 
     pos = rows(st.positions)
     count = rows(st.num_generated)
-    drafts = rows(spec.draft_tokens).narrow(1, 0, k)
+    # the drafts copied out of their wider buffer: views of the slice's strides made the compile guard on a
+    # draft length of 1 and on a batch above 1 (a version of its own for each, 14 s each on an H100)
+    drafts = _packed(rows(spec.draft_tokens).narrow(1, 0, k))
     target = processed_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # (B, k+1, V)
     lens = rows(spec.draft_lens)
     keys = rows(st.keys)
@@ -320,7 +331,7 @@ def verify_update(
     else:
         result = verify_chain(
             drafts, draft_probs, target, lens,
-            draft_vocab=draft_vocab, draft_index=None if draft_vocab is None else rows(spec.draft_index).narrow(1, 0, k),
+            draft_vocab=draft_vocab, draft_index=None if draft_vocab is None else _packed(rows(spec.draft_index).narrow(1, 0, k)),
             keys=keys, start=count,
         )  # fmt: skip
     active = ~rows(st.finished)
@@ -343,7 +354,7 @@ def verify_update(
     last = toks.gather(1, (take - 1).clamp_min(0)[:, None])[:, 0]
     rows(st.tokens).copy_(torch.where(active, last, rows(st.tokens)))
     rows(st.positions).copy_(pos + take)
-    row_ids = torch.arange(batch, device=pos.device)
+    row_ids = torch.arange(logits.shape[0], device=pos.device)
     newest = hidden[row_ids, (take - 1).clamp_min(0)]  # (B, F): the feature that predicted the pending token
     rows(st.hidden).copy_(torch.where(active[:, None], newest.to(st.hidden.dtype), rows(st.hidden)))
     # the EAGLE catch-up block of the next step: true features and the tokens that followed them

@@ -17,6 +17,7 @@ from test_cuda_graphs import Replayable
 from test_spec_engine import PolicyDrafter, chi_square_quantile, speculative_chi_square, tiny_vocab_model
 from transformers import PreTrainedModel
 
+from lightning_tlt.core import stored_compile
 from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig, StepEvent
 from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.drafters.suffix import SuffixDrafter
@@ -293,8 +294,6 @@ def test_every_step_shape_of_a_speculating_engine_stays_compiled(monkeypatch: py
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
     import torch._dynamo.config as dynamo_config
 
-    from lightning_tlt.core import stored_compile
-
     fell_back = stored_compile.stats()["fell_back"]
     # torch's default limit, raised by the engine (config.patch restores it; pytest's monkeypatch deletes it)
     with dynamo_config.patch(recompile_limit=8, accumulated_recompile_limit=256):
@@ -330,6 +329,42 @@ def test_every_step_shape_of_a_speculating_engine_stays_compiled(monkeypatch: py
     # made every call compile anew, past the 64 versions a stored function may hold
     assert stored_compile.stats()["fell_back"] == fell_back
 
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not stored_compile.aot_enabled(), reason="torch without aot_compile")
+def test_a_draft_length_or_batch_of_one_shares_the_verify_version(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # measured on an H100 (issue 29): the TLT shape's first call compiled the verify update three times,
+    # 42 s of its 81 s: a draft length of 1, then 2, then a host drafter's drafts without probabilities.
+    # Inductor's views of the drafts' slice of their wider buffer guarded on a draft length of 1 and a
+    # batch above 1; the drafts are copied out now. Inductor compiles the verify update (the guards are
+    # its own), every other step function runs eager (fast)
+    compile_ = torch.compile
+
+    def compile_verify_only(fn: Any, **kw: Any) -> Any:
+        return compile_(fn, **kw if fn.__name__ == "verify_update" else {**kw, "backend": "eager"})
+
+    monkeypatch.setattr(torch, "compile", compile_verify_only)
+    model = build_model("qwen2", "tiny", seed=0)
+    config = SpeculativeConfig(method="eagle", threshold=16, hysteresis_steps=1, draft_vocab_size=64)
+    engine = RolloutEngine(model, max_seq_len=64, max_batch_size=8, compile=True, speculative=config,
+                           compile_cache=str(tmp_path))  # fmt: skip
+    engine.allocate_buffers()
+    step, st, drafter = engine.speculative_step, engine.slot_state, engine.drafter
+    assert step is not None and st is not None and drafter is not None and engine.kv_cache is not None
+    step.begin(model.lm_head)
+    st.begin([], 20)
+    st.finished[:] = False
+    st.positions.fill_(10)
+    st.ensure_drafter_cache(drafter.num_kv_heads, drafter.head_dim, engine.kv_cache.max_seq_len, drafter.fc.weight.dtype)
+    key = SamplingKey(1.0, 0, 1.0)
+    with torch.no_grad():
+        for batch, k in ((4, 1), (4, 2), (1, 3)):
+            step.eagle_step(engine.step_context(), batch, k, 3, key, drafter, None)
+    assert step._verify_update.num_versions == 1 and engine.compile_failures == []
+    assert stored_compile.stats_by_function()["verify_update"]["compiled"] >= 1  # stored, not fallen back
 
 def _recording_compile(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """``torch.compile`` with Dynamo's guards and no Inductor (fast), recording each compiled version's function."""
