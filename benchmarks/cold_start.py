@@ -4,7 +4,9 @@ Each measurement is a fresh process (`--child`): it builds the e2e's policy shap
 model, bf16, random weights: compile and capture do not depend on the values), an engine of
 ``--slots`` rows with the suffix drafter speculating and an EAGLE drafter staged (the e2e's
 configuration ``tlt``; ``--no-spec`` is ``nospec``), and runs a first ``generate`` whose rows fall
-below the gate's threshold so speculation turns on, then a second, steady call of the same size.
+below the gate's threshold so speculation turns on, then a second, steady call of the same size and a
+third (``steady_again``: a one-time cost in the second, such as a kernel's first launch, shows as their
+difference).
 It reports the first call's wall time split into Dynamo tracing, Inductor compiling, graph capture
 and the rest, the number of graphs captured, and the steady call's time. The parent runs the child
 twice on one compile cache directory: cold (empty) and warm (a restart of the same run), once per
@@ -144,7 +146,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     prompts = torch.randint(3, min(200, engine.vocab_size), (rows // args.samples, 24), generator=torch.Generator().manual_seed(0)).tolist()
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=args.new_tokens, stop_token_ids=[])
     out: dict[str, Any] = {"build_s": build_s}
-    for name in ("first", "steady"):
+    for name in ("first", "steady", "steady_again"):  # a third call: a one-time cost in the second shows
         before = _compile_seconds()
         start = time.perf_counter()
         result = engine.generate(prompts, cfg, num_samples=args.samples, generator=torch.Generator().manual_seed(1))
@@ -300,7 +302,9 @@ def line_of(name: str, start: str, run: dict[str, Any]) -> str:
             f"first call {first['wall_s']:6.1f} s (dynamo {first['dynamo_s']:5.1f}, backend "
             f"{first['backend_s']:5.1f}, captures {first['graph_stats'].get('captures', 0):.0f} in "
             f"{first['graph_stats'].get('capture_time_s', 0):5.1f} s) | steady call "
-            f"{run['steady']['wall_s']:5.2f} s | tokens {first['tokens_sha']}" + _stored_of(run))
+            f"{run['steady']['wall_s']:5.2f} s"
+            + (f", again {run['steady_again']['wall_s']:5.2f} s" if "steady_again" in run else "")
+            + f" | tokens {first['tokens_sha']}" + _stored_of(run))
 
 
 def _stored_of(run: dict[str, Any]) -> str:
@@ -333,6 +337,8 @@ def summary_of(runs: dict[str, Any]) -> dict[str, Any]:
                     run = runs[f"{config}{suffix}_{start}"]
                     out[f"{config}{suffix}_first_call_{start}_s"] = run["first"]["wall_s"]
                     out[f"{config}{suffix}_steady_call_{start}_s"] = run["steady"]["wall_s"]
+                    if "steady_again" in run:
+                        out[f"{config}{suffix}_steady_again_call_{start}_s"] = run["steady_again"]["wall_s"]
     # versions that fell back to plain torch.compile where stored ones were asked for (their restarts trace)
     out["stored_fell_back"] = sum((run.get("stored_compile") or {}).get("fell_back", 0)
                                   for name, run in runs.items() if "_plain" not in name)  # fmt: skip
