@@ -13,7 +13,12 @@ from torch import Tensor, nn
 from lightning_tlt.rl.attention import training_attention
 from lightning_tlt.rl.batch import RolloutBatch
 from lightning_tlt.rl.config import DEFAULT_LOGPROB_CHUNK_TOKENS
-from lightning_tlt.rl.logprobs import check_chunk_tokens, chunked_token_logprobs, plain_lm_head
+from lightning_tlt.rl.logprobs import (
+    check_chunk_tokens,
+    chunked_token_logprobs,
+    plain_lm_head,
+    sharded_plain_lm_head,
+)
 
 
 @dataclass
@@ -51,15 +56,52 @@ def completion_forward(
     """
     check_chunk_tokens(logprob_chunk_tokens, "logprob_chunk_tokens", off_allowed=True)
     parts = plain_lm_head(model) if logprob_chunk_tokens else None
-    if isinstance(parts, str):
+    sharded = isinstance(parts, str) and sharded_plain_lm_head(model) is None
+    if isinstance(parts, str) and not sharded:
         rank_zero_warn(f"logprob_chunk_tokens={logprob_chunk_tokens} ignored for {type(model).__name__}: {parts}")
     with training_attention(cudnn_attention):
+        if sharded:
+            return _chunked_sharded_forward(model, batch, temperature=temperature,
+                                            output_hidden_states=output_hidden_states, chunk_tokens=logprob_chunk_tokens)
         if isinstance(parts, tuple):
             return _chunked_completion_forward(
                 *parts, batch, temperature=temperature, output_hidden_states=output_hidden_states,
                 chunk_tokens=logprob_chunk_tokens,
             )
         return _full_completion_forward(model, batch, temperature=temperature, output_hidden_states=output_hidden_states)
+
+
+def _chunked_sharded_forward(
+    model: nn.Module, batch: RolloutBatch, *, temperature: float, output_hidden_states: bool, chunk_tokens: int
+) -> PolicyForward:
+    """`completion_forward` of an FSDP2-sharded plain-head policy through `chunked_token_logprobs`.
+
+    The decoder cannot be called on its own here: FSDP2 gathers the root module's parameters (the
+    embedding, the final norm, the head) in the root's forward, and sets up their gradients' reduction
+    there. So the whole model runs, its head over one position only (``logits_to_keep=1``), and the
+    head is applied to the last hidden state afterwards, chunked: FSDP2 keeps the root's parameters
+    gathered from its forward to its backward, and reduces the head's gradient with the rest.
+    """
+    b, c = batch.completion_ids.shape
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        logits_to_keep=1,
+        output_hidden_states=True,
+        use_cache=False,
+    )
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    if type(head.weight.data) is not Tensor:  # still sharded: FSDP2 resharded the root after its forward
+        raise RuntimeError("the sharded policy's head is not gathered after its forward; set logprob_chunk_tokens=0")
+    final = out.hidden_states[-1]
+    last = final[:, -(c + 1) : -1, :]  # (B, C, H)
+    logps, entropies = chunked_token_logprobs(
+        last.reshape(b * c, -1), head.weight, batch.completion_ids.reshape(-1),
+        temperature=temperature, chunk_tokens=chunk_tokens, bias=head.bias,
+    )  # fmt: skip
+    return PolicyForward(logps=logps.view(b, c), entropies=entropies.view(b, c),
+                         hidden_states=final if output_hidden_states else None)  # fmt: skip
 
 
 def _full_completion_forward(

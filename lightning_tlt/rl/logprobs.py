@@ -31,6 +31,32 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logit_scal
 """Config fields by which other architectures change the logits after the head (Gemma 2, Cohere, Granite...)."""
 
 
+def _logit_transforms(model: nn.Module) -> list[str]:
+    """The settings of ``model``'s config that change its logits after the head (a soft-cap, a scale)."""
+    config = getattr(model, "config", None)
+    return [name for name in _LOGIT_TRANSFORMS if getattr(config, name, None) not in (None, 0, 1, 1.0)]
+
+
+def sharded_plain_lm_head(model: nn.Module) -> str | None:
+    """``None`` when ``model`` is an FSDP2-sharded known plain-head architecture (`plain_lm_head`'s classes,
+    wrapped by ``fully_shard``), else why not. Its head can be applied outside its forward only after that
+    forward (FSDP2 keeps the root module's parameters gathered from its forward to its backward)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        return "not sharded by FSDP2"
+    bases = [b for b in type(model).__bases__
+             if b.__name__ in PLAIN_HEAD_ARCHS and b.__module__.startswith("transformers.models.")]
+    if not bases:
+        return f"{type(model).__name__} wraps none of the known plain-head architectures {sorted(PLAIN_HEAD_ARCHS)}"
+    transforms = _logit_transforms(model)
+    if transforms:
+        return f"its config transforms the logits ({', '.join(transforms)})"
+    if type(model.get_output_embeddings()) is not nn.Linear:  # type: ignore[operator]
+        return "its output embedding is not a plain nn.Linear"
+    return None
+
+
 def plain_lm_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | str:
     """``(decoder, head)`` when ``model(...).logits == head(decoder(...).last_hidden_state)``, else why not.
 
@@ -41,8 +67,7 @@ def plain_lm_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | str:
     cls = type(model)
     if cls.__name__ not in PLAIN_HEAD_ARCHS or not cls.__module__.startswith("transformers.models."):
         return f"{cls.__module__}.{cls.__name__} is not one of the known plain-head architectures {sorted(PLAIN_HEAD_ARCHS)}"
-    config = getattr(model, "config", None)
-    transforms = [name for name in _LOGIT_TRANSFORMS if getattr(config, name, None) not in (None, 0, 1, 1.0)]
+    transforms = _logit_transforms(model)
     if transforms:
         return f"its config transforms the logits ({', '.join(transforms)})"
     head = model.get_output_embeddings()  # type: ignore[operator]

@@ -152,12 +152,12 @@ def main(out: str, algo: str, kind: str, precision: str, steps: str, ckpt_dir: s
     largest = max(p.numel() * p.element_size() for p in policy.parameters())
     callbacks: list[Callback] = []
     cotrain: DrafterCoTrainCallback | None = None
-    # one log-prob path on both sides (a sharded policy takes the full one: FSDP2's hooks on its head), so that
-    # only the sharding differs: the chunked path sums in another order (its own parity is test_logprobs.py)
+    # one log-prob path on both sides, so that only the sharding differs: GRPO chunked (a sharded policy applies
+    # its gathered head after its forward, test_fsdp_one_rank.py), PPO the full path
     if algo == "grpo":
         module: GRPOModule | PPOModule = GRPOModule(
             policy, GRPOConfig(num_generations=4, max_completion_length=10, learning_rate=1e-2,
-                               lr_scheduler_type="constant", logprob_chunk_tokens=0),
+                               lr_scheduler_type="constant", logprob_chunk_tokens=8),
         )  # fmt: skip
         speculative = SpeculativeConfig(method="eagle", threshold=8, hysteresis_steps=1, num_draft_tokens=3)
         cotrain = DrafterCoTrainCallback(DrafterCoTrainConfig(

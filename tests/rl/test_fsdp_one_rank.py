@@ -4,7 +4,9 @@ co-trained on an engine that keeps no whole copy of a sharded policy."""
 
 from __future__ import annotations
 
+import copy
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -108,3 +110,32 @@ def test_grpo_with_the_drafter_on_one_sharded_rank(tmp_path: Path) -> None:
     assert resumed_cb.drafter is not None
     for name, value in cb.drafter.state_dict().items():
         assert torch.equal(resumed_cb.drafter.state_dict()[name], value), name
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_sharded_policy_chunks_its_log_probs_and_matches_the_unsharded_full_path(
+    one_rank: None, tied: bool
+) -> None:
+    # measured on an H100 (issue 37): FSDP2's wrapper class was not a known plain-head architecture, so a
+    # sharded policy built the full (B, C, V) float32 logits and its first backward at 16,384 micro-batch
+    # tokens ran out of memory. Sharded and chunked, the log-probs, the entropies, the features and every
+    # parameter's gradient (gathered from its shards) equal the unsharded model's full path.
+    from test_logprobs import assert_grads_close, batch_for, forward_and_grads, tied_qwen2
+
+    from lightning_tlt.rl.logprobs import plain_lm_head, sharded_plain_lm_head
+
+    reference = (tied_qwen2() if tied else build_model("qwen2", "tiny", seed=0)).train()
+    sharded = shard_module(copy.deepcopy(reference), init_device_mesh("cpu", (1,)))
+    assert isinstance(plain_lm_head(sharded), str) and sharded_plain_lm_head(sharded) is None
+    batch = batch_for(reference.config.vocab_size)
+    full, full_grads = forward_and_grads(reference, batch, 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fwd, grads = forward_and_grads(sharded, batch, 4)
+    assert not [w for w in caught if "logprob_chunk_tokens" in str(w.message)]  # chunked, not the full path
+    torch.testing.assert_close(fwd.logps, full.logps, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fwd.entropies, full.entropies, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fwd.hidden_states, full.hidden_states, rtol=0, atol=0)
+    gathered = {name: g.full_tensor() if hasattr(g, "full_tensor") else g for name, g in grads.items()}
+    assert_grads_close(gathered, full_grads, 1e-5)
+    assert sharded_plain_lm_head(build_model("qwen2", "tiny", seed=0)) == "not sharded by FSDP2"
