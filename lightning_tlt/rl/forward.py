@@ -82,7 +82,6 @@ def _chunked_sharded_forward(
     head is applied to the last hidden state afterwards, chunked: FSDP2 keeps the root's parameters
     gathered from its forward to its backward, and reduces the head's gradient with the rest.
     """
-    b, c = batch.completion_ids.shape
     out = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
@@ -95,13 +94,23 @@ def _chunked_sharded_forward(
     if type(head.weight.data) is not Tensor:  # still sharded: FSDP2 resharded the root after its forward
         raise RuntimeError("the sharded policy's head is not gathered after its forward; set logprob_chunk_tokens=0")
     final = out.hidden_states[-1]
-    last = final[:, -(c + 1) : -1, :]  # (B, C, H)
+    return _head_chunked(final, head, batch, temperature=temperature, chunk_tokens=chunk_tokens,
+                         hidden_states=final if output_hidden_states else None)  # fmt: skip
+
+
+def _head_chunked(
+    final: Tensor, head: nn.Linear, batch: RolloutBatch, *, temperature: float, chunk_tokens: int,
+    hidden_states: Tensor | None,
+) -> PolicyForward:
+    """The completion's log-probs and entropies from the last (normed) hidden state ``final`` ``(B, T, H)``, the
+    head applied `chunked_token_logprobs`' way; ``hidden_states`` passed through."""
+    b, c = batch.completion_ids.shape
+    last = final[:, -(c + 1) : -1, :]  # (B, C, H): the positions predicting the completion
     logps, entropies = chunked_token_logprobs(
         last.reshape(b * c, -1), head.weight, batch.completion_ids.reshape(-1),
         temperature=temperature, chunk_tokens=chunk_tokens, bias=head.bias,
     )  # fmt: skip
-    return PolicyForward(logps=logps.view(b, c), entropies=entropies.view(b, c),
-                         hidden_states=final if output_hidden_states else None)  # fmt: skip
+    return PolicyForward(logps=logps.view(b, c), entropies=entropies.view(b, c), hidden_states=hidden_states)
 
 
 def _full_completion_forward(
@@ -140,7 +149,6 @@ def _chunked_completion_forward(
     chunk_tokens: int,
 ) -> PolicyForward:
     """`completion_forward` through the decoder's last hidden state and `chunked_token_logprobs`."""
-    b, c = batch.completion_ids.shape
     out = decoder(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
@@ -149,9 +157,5 @@ def _chunked_completion_forward(
         use_cache=False,
     )
     hidden = out.hidden_states[-1] if output_hidden_states else None  # the same tensor as the full path's
-    last = out.last_hidden_state[:, -(c + 1) : -1, :]  # (B, C, H): the positions predicting the completion
-    logps, entropies = chunked_token_logprobs(
-        last.reshape(b * c, -1), head.weight, batch.completion_ids.reshape(-1),
-        temperature=temperature, chunk_tokens=chunk_tokens, bias=head.bias,
-    )
-    return PolicyForward(logps=logps.view(b, c), entropies=entropies.view(b, c), hidden_states=hidden)
+    return _head_chunked(out.last_hidden_state, head, batch, temperature=temperature, chunk_tokens=chunk_tokens,
+                         hidden_states=hidden)  # fmt: skip

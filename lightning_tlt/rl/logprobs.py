@@ -37,6 +37,11 @@ def _logit_transforms(model: nn.Module) -> list[str]:
     return [name for name in _LOGIT_TRANSFORMS if getattr(config, name, None) not in (None, 0, 1, 1.0)]
 
 
+def _is_plain_head_class(cls: type) -> bool:
+    """Whether ``cls`` is one of transformers' own `PLAIN_HEAD_ARCHS` classes (not a subclass of one)."""
+    return cls.__name__ in PLAIN_HEAD_ARCHS and cls.__module__.startswith("transformers.models.")
+
+
 def sharded_plain_lm_head(model: nn.Module) -> str | None:
     """``None`` when ``model`` is an FSDP2-sharded known plain-head architecture (`plain_lm_head`'s classes,
     wrapped by ``fully_shard``), else why not. Its head can be applied outside its forward only after that
@@ -45,9 +50,7 @@ def sharded_plain_lm_head(model: nn.Module) -> str | None:
 
     if not isinstance(model, FSDPModule):
         return "not sharded by FSDP2"
-    bases = [b for b in type(model).__bases__
-             if b.__name__ in PLAIN_HEAD_ARCHS and b.__module__.startswith("transformers.models.")]
-    if not bases:
+    if not any(_is_plain_head_class(base) for base in type(model).__bases__):
         return f"{type(model).__name__} wraps none of the known plain-head architectures {sorted(PLAIN_HEAD_ARCHS)}"
     transforms = _logit_transforms(model)
     if transforms:
@@ -65,7 +68,7 @@ def plain_lm_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | str:
     or a config that transforms the logits could apply the head differently than ``F.linear``.
     """
     cls = type(model)
-    if cls.__name__ not in PLAIN_HEAD_ARCHS or not cls.__module__.startswith("transformers.models."):
+    if not _is_plain_head_class(cls):
         return f"{cls.__module__}.{cls.__name__} is not one of the known plain-head architectures {sorted(PLAIN_HEAD_ARCHS)}"
     transforms = _logit_transforms(model)
     if transforms:
