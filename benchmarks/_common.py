@@ -97,6 +97,24 @@ def graph_replay_ms(
     return start.elapsed_time(end) / replays
 
 
+def kernel_totals(prof: Any, cuda: bool, top: int = 25) -> dict[str, Any]:
+    """A finished ``torch.profiler.profile``'s time by name, largest first: kernels on the GPU (CUPTI reports
+    each kernel of a CUDA graph's replay), top-level ops on the CPU. ``busy_us``: their sum."""
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        on_device = event.device_type == torch.autograd.DeviceType.CUDA
+        if on_device != cuda or (not cuda and event.cpu_parent is not None):
+            continue
+        entry = totals.setdefault(event.name, [0.0, 0])
+        entry[0] += event.device_time if cuda else event.cpu_time_total
+        entry[1] += 1
+    busy = sum(us for us, _ in totals.values())
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"what": "GPU kernels" if cuda else "CPU ops", "busy_us": busy,
+            "top": [{"name": name[:160], "us": us, "calls": n, "share": us / busy if busy else None}
+                    for name, (us, n) in ranked]}
+
+
 def add_workload_flags(p: argparse.ArgumentParser) -> None:
     """The e2e's workload and warm start as flags (task, size, SFT settings): a machine that ran the e2e
     (or another script with these defaults) loads its cached policy instead of training it again."""

@@ -46,7 +46,7 @@ import time
 from typing import Any
 
 import torch
-from _common import add_common_flags, write_results
+from _common import add_common_flags, kernel_totals, write_results
 
 from lightning_tlt.core import stored_compile
 from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig
@@ -105,7 +105,24 @@ def child_b1(args: argparse.Namespace) -> dict[str, Any]:
             "capture_s_per_graph": pure / captures if captures else None,
             "compile_s_in_more": stats1["compile_time_s"] - stats0["compile_time_s"],
             "steady_ms_per_step": steady_steps(engine, vocab, [1, min(64, args.slots)], device, args.steady_tokens),
-            "stored_compile": stored_compile.stats(), "compiled_by_function": stored_compile.stats_by_function()}
+            "stored_compile": stored_compile.stats(), "compiled_by_function": stored_compile.stats_by_function(),
+            **({"profile": profiled(engine, [[5, 6, 7, 8]], SamplingConfig(
+                temperature=1.0, max_new_tokens=args.steady_tokens, stop_token_ids=[]), 1)} if args.profile else {})}
+
+
+def profiled(engine: RolloutEngine, prompts: list[list[int]], cfg: SamplingConfig, samples: int) -> dict[str, Any]:
+    """One more ``generate`` under ``torch.profiler``: its wall time and its kernels by GPU time (``--profile``:
+    a process whose steady calls are slower shows which kernels are)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = engine.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        start = time.perf_counter()
+        engine.generate(prompts, cfg, num_samples=samples, generator=torch.Generator().manual_seed(1))
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    return {"wall_s": wall, **kernel_totals(prof, cuda)}
 
 
 def steady_steps(engine: RolloutEngine, vocab: int, batches: list[int], device: torch.device,
@@ -165,6 +182,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             "graph_stats": engine.graph_stats,
             "tokens_sha": tokens,
         }
+    if args.profile:
+        out["profile"] = profiled(engine, prompts, cfg, args.samples)
     out["stored_compile"] = stored_compile.stats()  # a version that fell back to plain torch.compile shows here
     out["compiled_by_function"] = stored_compile.stats_by_function()  # where a cold first call's compiling went
     out["cache"] = dict(engine.last_stats.get("compile_cache", {})) if isinstance(
@@ -176,7 +195,7 @@ def child_flags(args: argparse.Namespace, *, spec: bool) -> list[str]:
     """The command line of a child measuring one configuration with the parent's settings."""
     names = ("size", "slots", "rows", "samples", "threshold", "new_tokens", "max_seq_len", "vocab_size")
     flags = [f"--{name.replace('_', '-')}={getattr(args, name)}" for name in names if getattr(args, name) is not None]
-    flags += [f"--{name}" for name in ("fused", "smoke") if getattr(args, name)]
+    flags += [f"--{name}" for name in ("fused", "smoke", "profile") if getattr(args, name)]
     return flags + ([] if spec else ["--no-spec"])
 
 
@@ -203,6 +222,8 @@ def main() -> None:
                         help="a report of this script cut short: keep its runs, measure the ones it lacks")
     parser.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     parser.add_argument("--steady-tokens", type=int, default=128, help="tokens a row of b1's timed steady calls")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more call per process under torch.profiler: its kernels by GPU time (`profile`)")
     add_common_flags(parser)
     args = parser.parse_args()
     for flag in ("arms", "warm_arms"):
@@ -296,7 +317,7 @@ def line_of(name: str, start: str, run: dict[str, Any]) -> str:
                 f"{run['build_to_first_token_s']:6.2f} s | {run['more_captures']:.0f} more graphs, "
                 f"{run['capture_s_per_graph'] or 0:.3f} s each | steady "
                 + ", ".join(f"{b} {ms:.3f} ms" for b, ms in (run.get("steady_ms_per_step") or {}).items())
-                + _stored_of(run))
+                + _stored_of(run) + _profile_of(run))
     first = run["first"]
     return (f"{name:10s} {start:5s} | process {run['process_s']:6.1f} s | build {run['build_s']:5.1f} s | "
             f"first call {first['wall_s']:6.1f} s (dynamo {first['dynamo_s']:5.1f}, backend "
@@ -304,7 +325,16 @@ def line_of(name: str, start: str, run: dict[str, Any]) -> str:
             f"{first['graph_stats'].get('capture_time_s', 0):5.1f} s) | steady call "
             f"{run['steady']['wall_s']:5.2f} s"
             + (f", again {run['steady_again']['wall_s']:5.2f} s" if "steady_again" in run else "")
-            + f" | tokens {first['tokens_sha']}" + _stored_of(run))
+            + f" | tokens {first['tokens_sha']}" + _stored_of(run) + _profile_of(run))
+
+
+def _profile_of(run: dict[str, Any]) -> str:
+    """The profiled call's busiest kernels (``--profile``), on lines of their own."""
+    prof = run.get("profile")
+    if not prof:
+        return ""
+    return (f"\n    profiled call {prof['wall_s']:.3f} s, {prof['what']} busy {prof['busy_us'] / 1e3:.1f} ms: "
+            + "; ".join(f"{k['us'] / 1e3:.1f} ms x{k['calls']} {k['name'][:60]}" for k in prof["top"][:6]))
 
 
 def _stored_of(run: dict[str, Any]) -> str:

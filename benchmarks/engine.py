@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 import transformers
-from _common import add_common_flags, graph_replay_ms
+from _common import add_common_flags, graph_replay_ms, kernel_totals
 from transformers import GenerationConfig
 
 from lightning_tlt.core.types import SamplingConfig
@@ -262,22 +262,12 @@ def kernel_profile(engine: RolloutEngine, args: argparse.Namespace, batch: int =
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         wall, _ = engine_generate(engine, prompts, steps, seed=1)
-    totals: dict[str, list[float]] = {}
-    for event in prof.events():
-        on_device = event.device_type == torch.autograd.DeviceType.CUDA
-        if on_device != cuda or (not cuda and event.cpu_parent is not None):
-            continue  # kernels on the GPU; top-level ops on the CPU
-        us = event.device_time if cuda else event.cpu_time_total
-        entry = totals.setdefault(event.name, [0.0, 0])
-        entry[0] += us
-        entry[1] += 1
-    device_us = sum(us for us, _ in totals.values())
-    top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:25]
+    kernels = kernel_totals(prof, cuda)
     return {
         "batch": batch, "steps": steps, "wall_ms_per_step": wall / steps * 1e3,
-        "busy_ms_per_step": device_us / steps / 1e3, "what": "GPU kernels" if cuda else "CPU ops",
-        "top": [{"name": name[:160], "us_per_step": us / steps, "calls_per_step": n / steps,
-                 "share": us / device_us if device_us else None} for name, (us, n) in top],
+        "busy_ms_per_step": kernels["busy_us"] / steps / 1e3, "what": kernels["what"],
+        "top": [{"name": k["name"], "us_per_step": k["us"] / steps, "calls_per_step": k["calls"] / steps,
+                 "share": k["share"]} for k in kernels["top"]],
     }
 
 
