@@ -136,7 +136,7 @@ def _linear(x: Tensor, layer: HFModule) -> Tensor:
 
 def rope_cos_sin(positions: Tensor, inv_freq: Tensor, scaling: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """RoPE tables for ``positions`` ``(B, q)``, as HF computes them; returns two ``(B, q, hd)``."""
-    freqs = positions.float()[..., None] * inv_freq.float()  # (B, q, hd/2); cast first: a fresh contiguous tensor
+    freqs = positions[..., None].float() * inv_freq.float()  # (B, q, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (B, q, hd)
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
@@ -214,11 +214,15 @@ def decoder_layer_split(
     norm_in = getattr(layer, "input_layernorm", None)
     h = rms_norm(x, norm_in) if isinstance(norm_in, nn.Module) else x
     if fused is not None:  # one GEMM for q, k and v (the weights' copy `FusedProjections` keeps)
-        # heads first, then q, k and v: a view of the whole (contiguous) output. Split first, each part's
-        # reshape is a view of a strided slice, whose strides a compile can only prove by guarding on
-        # one-token queries and one-row batches (a version of its own for each)
-        qkv = F.linear(h, fused.qkv_weight, fused.qkv_bias).unflatten(-1, (num_heads + 2 * num_kv_heads, head_dim))
-        q, k, v = qkv.split((num_heads, num_kv_heads, num_kv_heads), 2)
+        # split, then each part reshaped. With this form and RoPE's positions cast after the new axis, an H100
+        # compiled one version of each region for a decode's one-token query and a verify's k + 1 (cold_start
+        # at a252ad3); with the heads split after one view and the positions cast first, two of each, and two
+        # of the drafter's catch-up (at 9806f03). Which of the two changes did it was not isolated.
+        qkv = F.linear(h, fused.qkv_weight, fused.qkv_bias)
+        q_, k_, v_ = qkv.split((num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim), -1)
+        q = q_.reshape(bsz, q_len, num_heads, head_dim)
+        k = k_.reshape(bsz, q_len, num_kv_heads, head_dim)
+        v = v_.reshape(bsz, q_len, num_kv_heads, head_dim)
     else:
         q = _linear(h, attn.q_proj).view(bsz, q_len, num_heads, head_dim)
         k = _linear(h, attn.k_proj).view(bsz, q_len, num_kv_heads, head_dim)
