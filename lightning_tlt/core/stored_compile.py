@@ -308,12 +308,20 @@ class StoredCompile:
         if self.folder is None or not self.folder.is_dir():
             return
         from torch._dynamo.aot_compile import AOTCompiledFunction
+        from torch._inductor import config as inductor_config
 
         start = time.perf_counter()
         for path in self._files_oldest_first():
             try:
                 payload = self._read(path)
-                version = AOTCompiledFunction.deserialize(payload, self.fn.__globals__)
+                # kernels loaded in this process: a loaded version's first Triton kernel started Inductor's
+                # compile-worker pool (one process a core, each importing torch and Triton for seconds) to
+                # compile nothing, and the steady steps right after a warm restart waited on a CPU they
+                # shared with it (an H100 host: the TLT shape's call 0.49 s against 0.12 s, its GPU kernels
+                # 76 ms in both; a CPU sort of the draft vocabulary 0.2 s). A version compiled later starts
+                # the pool as usual.
+                with inductor_config.patch(compile_threads=1):
+                    version = AOTCompiledFunction.deserialize(payload, self.fn.__globals__)
             except Exception as err:  # noqa: BLE001 - a file this process cannot use is rebuilt, never fatal
                 self._discard(path, err)
                 continue

@@ -68,6 +68,31 @@ def test_a_new_process_object_loads_the_stored_version_and_runs_it_without_traci
     assert _traces() == traces
 
 
+def test_loading_starts_no_compile_worker_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # measured on an H100 (issue 29): a warm restart's loaded kernels started Inductor's worker pool, one
+    # process a core importing torch for seconds, and the steady calls after it ran at a quarter of their
+    # speed (the GPU's kernels unchanged; the host waited on the CPU). Versions load with one compile thread.
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+    from torch._inductor import config as inductor_config
+    from torch._inductor.async_compile import get_compile_threads
+
+    x = torch.randn(5, 7)
+    _store(tmp_path)(x, 0.5, None)
+    deserialize = AOTCompiledFunction.deserialize
+    seen: list[int] = []
+
+    def recording(*args: object, **kwargs: object) -> object:
+        seen.append(get_compile_threads())  # what decides whether a kernel's load asks for the pool
+        return deserialize(*args, **kwargs)
+
+    monkeypatch.setattr(AOTCompiledFunction, "deserialize", staticmethod(recording))
+    with inductor_config.patch(compile_threads=8):  # a many-core host's setting
+        second = _store(tmp_path, restart=True)
+        torch.testing.assert_close(second(x, 0.5, None), scaled_softmax(x, 0.5, None))
+        assert seen == [1]  # one thread while loading: no pool
+        assert inductor_config.compile_threads == 8  # and the setting back for versions compiled later
+
+
 def test_arguments_a_version_does_not_accept_compile_a_second_version_and_both_are_stored(tmp_path: Path) -> None:
     # an earlier compile of the same code in this process (automatic dynamic shapes once made the later
     # versions' guards reject their own arguments: each call compiled again, and a restart too)
