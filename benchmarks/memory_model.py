@@ -18,9 +18,10 @@ the precisions the kit trains and rolls out in, and a rank's share of each part 
   end, and about three layers in float32 (the one computing, the one prefetched, and one layer's
   gradient before its reduce-scatter).
 - ``kv_cache``: bf16 K and V of every layer for the rank's rollout rows at their longest.
-- ``activations``: the training forward under activation checkpointing, at ``--micro-batch-tokens``:
-  one bf16 hidden state per layer per token kept, one layer's full working set recomputed, and the
-  float32 logits of the loss's chunk (``--logit-chunk-tokens``).
+- ``activations``: the training forward under activation checkpointing (``GRPOConfig.gradient_checkpointing``,
+  on in ``configs/grpo_gpu_0.5b_fsdp.yaml``), at ``--micro-batch-tokens``: one bf16 hidden state per layer
+  per token kept, one layer's full working set recomputed, and the float32 logits of the loss's chunk
+  (``--logit-chunk-tokens``); with ``--no-gradient-checkpointing``, every layer's working set.
 - ``drafter``: the EAGLE layer (an ``fc`` of 2H -> H, one decoder layer) replicated: float32
   weights, gradients, AdamW moments and a bf16 published copy; it shares the policy's embedding
   and head through the inference copy; and its replay buffer of ``--buffer-tokens`` bf16 features
@@ -94,7 +95,8 @@ SHAPES: dict[str, Shape] = {
 
 
 def per_rank_bytes(shape: Shape, *, ranks: int, rows: int, max_tokens: int, micro_batch_tokens: int,
-                   logit_chunk_tokens: int, rollout_tp: int = 1, buffer_tokens: int = 65536) -> dict[str, float]:
+                   logit_chunk_tokens: int, rollout_tp: int = 1, buffer_tokens: int = 65536,
+                   gradient_checkpointing: bool = True) -> dict[str, float]:
     """Bytes each part of one RL step needs on one rank (see the module's docstring); ``rollout_tp``:
     rollouts tensor-parallel over that many ranks (vLLM's ``tensor_parallel_size``), which splits the
     inference copy and the KV cache of their rows; ``buffer_tokens``: the drafter's replay buffer."""
@@ -113,7 +115,8 @@ def per_rank_bytes(shape: Shape, *, ranks: int, rows: int, max_tokens: int, micr
         "gather_buffer": 4 * shape.largest_param(),
         "fsdp_buffers": (4 * (shape.root_params() + 3 * shape.layer_params()) if ranks > 1 else 0),
         "kv_cache": rows * max_tokens * shape.kv_bytes_per_token() / rollout_tp,
-        "activations": micro_batch_tokens * shape.layers * h * 2 + layer_working + logit_chunk_tokens * shape.vocab * 4,
+        "activations": (micro_batch_tokens * shape.layers * h * 2 + layer_working if gradient_checkpointing
+                        else shape.layers * layer_working) + logit_chunk_tokens * shape.vocab * 4,
         "drafter": 18 * drafter + buffer_tokens * h * 2,
     }
 
@@ -124,7 +127,8 @@ def model(args: argparse.Namespace) -> dict[str, Any]:
     for name, shape in SHAPES.items():
         parts = per_rank_bytes(shape, ranks=args.ranks, rows=rows_per_rank, max_tokens=args.max_tokens,
                                micro_batch_tokens=args.micro_batch_tokens, logit_chunk_tokens=args.logit_chunk_tokens,
-                               rollout_tp=args.rollout_tp, buffer_tokens=args.buffer_tokens)
+                               rollout_tp=args.rollout_tp, buffer_tokens=args.buffer_tokens,
+                               gradient_checkpointing=args.gradient_checkpointing)
         total = sum(parts.values())
         table[name] = {
             "params": shape.params(),
@@ -153,6 +157,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--logit-chunk-tokens", type=int, default=4096)
     p.add_argument("--rollout-tp", type=int, default=1, help="rollouts tensor-parallel over this many ranks (vLLM)")
     p.add_argument("--buffer-tokens", type=int, default=65536, help="the drafter's replay buffer (DrafterCoTrainConfig)")
+    p.add_argument("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false",
+                   help="the training forward keeps every layer's working set (GRPOConfig.gradient_checkpointing off)")
     add_common_flags(p, out_default=str(ROOT / "benchmarks" / "results" / "memory_model.json"), smoke=False)
     args = p.parse_args(argv)
     out = args.out

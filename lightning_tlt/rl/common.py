@@ -30,7 +30,7 @@ from lightning_tlt.rl.batch import RolloutBatch
 from lightning_tlt.rl.config import OptimConfig
 from lightning_tlt.rl.forward import PolicyForward as PolicyForward
 from lightning_tlt.rl.forward import completion_forward as completion_forward
-from lightning_tlt.rl.fsdp import check_sharded_training, check_strategy, shard_module
+from lightning_tlt.rl.fsdp import check_sharded_training, check_strategy, checkpoint_layers, shard_module
 from lightning_tlt.rl.progress_bar import optimizer_step_bar
 from lightning_tlt.rl.warmstart import WarmStartConfig
 
@@ -326,7 +326,14 @@ class RLModule(pl.LightningModule):
     def configure_model(self) -> None:
         """Shard the models with FSDP2 under ``ModelParallelStrategy`` (`lightning_tlt.rl.fsdp`): the
         Lightning way, once the device mesh exists and before the optimizer is made; nothing under any
-        other strategy (``FSDPStrategy`` is refused, with what to use instead)."""
+        other strategy (``FSDPStrategy`` is refused, with what to use instead). With
+        ``config.gradient_checkpointing``, the trained models' decoder layers are checkpointed first
+        (`lightning_tlt.rl.fsdp.checkpoint_layers`), sharded or not."""
+        if self.config.gradient_checkpointing:  # before sharding, under any strategy
+            trainable = {id(p) for p in self.trainable_parameters()}
+            for module in self.models_to_shard():
+                if any(id(p) in trainable for p in module.parameters()):
+                    checkpoint_layers(module)
         trainer = self._trainer
         mesh = check_strategy(trainer) if trainer is not None else None
         if mesh is None:

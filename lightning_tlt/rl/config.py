@@ -76,6 +76,15 @@ class OptimConfig:
     copies of the whole micro-batch's. Used for Qwen2/Qwen3/Llama/Mistral-style models whose logits are
     the output embedding of the last hidden state; other models take the full path. 0: always the full path."""
 
+    gradient_checkpointing: bool = False
+    """Activation checkpointing of the trained models' decoder layers (``transformers.TrainingArguments``'
+    name and default; ``trl.GRPOConfig`` defaults it to True, and `GRPOConfig.from_trl` carries its value):
+    the training forward keeps one hidden state per layer and the backward runs each layer again, for
+    about a third more training compute (`lightning_tlt.rl.fsdp.checkpoint_layers`). Off here by default
+    because ``micro_batch_tokens`` already bounds the activations of a long-tail batch; on for large
+    policies and long micro-batches (``configs/grpo_gpu_0.5b_fsdp.yaml``). Rollouts are untouched, and the
+    loss and gradients are the same as without (tested)."""
+
     def _validate_optim(self) -> None:
         validate_adamw(self)
         if not self.adam_epsilon > 0:

@@ -49,6 +49,12 @@ def test_each_part_as_computed_by_hand() -> None:
     unsharded = memory_model.per_rank_bytes(shape, ranks=1, rows=8, max_tokens=4224, micro_batch_tokens=16384,
                                             logit_chunk_tokens=4096)
     assert unsharded["fsdp_buffers"] == 0 and unsharded["train_state"] == 16 * p  # --ranks 1: no FSDP
+    working = 16384 * (10 * 896 + 3 * 4864) * 2  # one layer's working set, bf16
+    logits = 4096 * 151_936 * 4
+    assert parts["activations"] == 16384 * 24 * 896 * 2 + working + logits  # checkpointed: a hidden state a layer
+    plain = memory_model.per_rank_bytes(shape, ranks=8, rows=8, max_tokens=4224, micro_batch_tokens=16384,
+                                        logit_chunk_tokens=4096, gradient_checkpointing=False)
+    assert plain["activations"] == 24 * working + logits  # every layer's working set kept
     with pytest.raises(ValueError, match="must divide ranks=8"):
         memory_model.per_rank_bytes(shape, ranks=8, rows=8, max_tokens=1, micro_batch_tokens=1, logit_chunk_tokens=1,
                                     rollout_tp=3)

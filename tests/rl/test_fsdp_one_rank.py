@@ -139,3 +139,23 @@ def test_a_sharded_policy_chunks_its_log_probs_and_matches_the_unsharded_full_pa
     gathered = {name: g.full_tensor() if hasattr(g, "full_tensor") else g for name, g in grads.items()}
     assert_grads_close(gathered, full_grads, 1e-5)
     assert sharded_plain_lm_head(build_model("qwen2", "tiny", seed=0)) == "not sharded by FSDP2"
+
+
+def test_checkpointed_and_sharded_layers_match_the_plain_model(one_rank: None) -> None:
+    # issue 37: gradient_checkpointing for the sharded policy (the FSDP config's): the layers checkpointed,
+    # then sharded, recompute under FSDP2 to the unsharded plain model's log-probs and gradients
+    from test_logprobs import assert_grads_close, batch_for, forward_and_grads
+
+    from lightning_tlt.rl.fsdp import checkpoint_layers
+
+    reference = build_model("qwen2", "tiny", seed=0).train()
+    model = copy.deepcopy(reference)
+    checkpoint_layers(model)
+    sharded = shard_module(model, init_device_mesh("cpu", (1,)))
+    batch = batch_for(reference.config.vocab_size)
+    want, want_grads = forward_and_grads(reference, batch, 4)
+    got, grads = forward_and_grads(sharded, batch, 4)
+    torch.testing.assert_close(got.logps, want.logps, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.hidden_states, want.hidden_states, rtol=0, atol=0)
+    gathered = {name: g.full_tensor() if hasattr(g, "full_tensor") else g for name, g in grads.items()}
+    assert_grads_close(gathered, want_grads, 1e-5)

@@ -246,6 +246,21 @@ def test_accepts_a_real_trl_grpo_config() -> None:
         assert module.ref_model is not None  # beta > 0 loads the reference
 
 
+def test_gradient_checkpointing_from_trl_checkpoints_the_policy_not_the_reference() -> None:
+    from trl import GRPOConfig as TRLGRPOConfig
+
+    trl_cfg = TRLGRPOConfig(output_dir="/tmp/unused", use_cpu=True, bf16=False, beta=0.1, report_to="none")
+    assert trl_cfg.gradient_checkpointing  # TRL's default; the kit's own is off
+    module = GRPOModule(build_model("qwen2", "tiny", seed=0), config=trl_cfg)
+    assert module.config.gradient_checkpointing and not GRPOConfig().gradient_checkpointing
+    module.configure_model()  # no strategy: checkpointed, not sharded
+    module.configure_model()  # again (validate after fit): nothing twice
+    assert module.ref_model is not None
+    flags = lambda model: [getattr(layer, "_lightning_tlt_checkpointed", False) for layer in model.model.layers]  # noqa: E731
+    assert flags(module.policy) == [True] * module.policy.config.num_hidden_layers
+    assert not any(flags(module.ref_model))  # frozen: nothing to recompute for
+
+
 def test_defaults_are_trls() -> None:
     cfg = GRPOConfig()
     assert (cfg.num_generations, cfg.beta, cfg.epsilon, cfg.epsilon_high, cfg.loss_type) == (8, 0.0, 0.2, None, "dapo")
