@@ -314,12 +314,12 @@ class StoredCompile:
         for path in self._files_oldest_first():
             try:
                 payload = self._read(path)
-                # kernels loaded in this process: a loaded version's first Triton kernel started Inductor's
-                # compile-worker pool (one process a core, each importing torch and Triton for seconds) to
-                # compile nothing, and the steady steps right after a warm restart waited on a CPU they
-                # shared with it (an H100 host: the TLT shape's call 0.49 s against 0.12 s, its GPU kernels
-                # 76 ms in both; a CPU sort of the draft vocabulary 0.2 s). A version compiled later starts
-                # the pool as usual.
+                # kernels loaded in this process, with no compile-worker pool: loading a version's Triton
+                # kernels asks for Inductor's pool (one process a core, each importing torch and Triton for
+                # seconds), which has nothing to compile. On an H100 host a warm restart's steady calls took
+                # 0.49 s against 0.12 s cold with the same 76 ms of GPU kernels, its CPU ops starved (a sort
+                # of the draft vocabulary 196 ms against 1 ms): the booting pool, by torch's code and a CPU
+                # reproduction. A version compiled later starts the pool as usual.
                 with inductor_config.patch(compile_threads=1):
                     version = AOTCompiledFunction.deserialize(payload, self.fn.__globals__)
             except Exception as err:  # noqa: BLE001 - a file this process cannot use is rebuilt, never fatal

@@ -89,8 +89,8 @@ def checkpoint_layers(module: nn.Module) -> int:
     and FSDP2's ``fully_shard`` composes with it, gathering the layer again for the recompute).
 
     The training forward's activations then hold one hidden state per layer instead of every layer's working
-    set (the 0.5 B policy at 16,384 micro-batch tokens: about 0.7 GiB against some 23 GiB, estimated in
-    `docs/scaling.md`), for about one more forward's compute. Only the training forward pays: the rollout
+    set (the 0.5 B policy at 16,384 micro-batch tokens, by `benchmarks/memory_model.py`: about 1.4 GiB, the
+    hidden states and one layer recomputing, against 17 GiB), for one more forward of each layer. Only the training forward pays: the rollout
     engine reads the layers' weights, never their ``forward``. A layer checkpointed already is left as it is
     (``configure_model`` may run again).
 
