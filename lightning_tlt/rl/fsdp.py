@@ -90,9 +90,10 @@ def checkpoint_layers(module: nn.Module) -> int:
 
     The training forward's activations then hold one hidden state per layer instead of every layer's working
     set (the 0.5 B policy at 16,384 micro-batch tokens, by `benchmarks/memory_model.py`: about 1.4 GiB, the
-    hidden states and one layer recomputing, against 17 GiB), for one more forward of each layer. Only the training forward pays: the rollout
-    engine reads the layers' weights, never their ``forward``. A layer checkpointed already is left as it is
-    (``configure_model`` may run again).
+    hidden states and one layer recomputing, against 17 GiB), for one more forward of each layer. Only the
+    training forward pays: the rollout engine reads the layers' weights, never their ``forward``. A layer
+    checkpointed already (torch's own record, ``checkpoint.state``) is left as it is (``configure_model``
+    may run again; torch refuses a second ``checkpoint``).
 
     Returns:
         the number of layers newly checkpointed.
@@ -101,11 +102,9 @@ def checkpoint_layers(module: nn.Module) -> int:
 
     done = 0
     for layer in decoder_layers(module):
-        if getattr(layer, "_lightning_tlt_checkpointed", False):
-            continue
-        checkpoint(layer)
-        layer._lightning_tlt_checkpointed = True  # type: ignore[assignment]
-        done += 1
+        if checkpoint.state(layer) is None:
+            checkpoint(layer)
+            done += 1
     return done
 
 

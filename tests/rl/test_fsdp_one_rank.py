@@ -112,6 +112,11 @@ def test_grpo_with_the_drafter_on_one_sharded_rank(tmp_path: Path) -> None:
         assert torch.equal(resumed_cb.drafter.state_dict()[name], value), name
 
 
+def _whole(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each gradient gathered from its shards (a sharded parameter's gradient is a DTensor)."""
+    return {name: g.full_tensor() if hasattr(g, "full_tensor") else g for name, g in grads.items()}
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_sharded_policy_chunks_its_log_probs_and_matches_the_unsharded_full_path(
     one_rank: None, tied: bool
@@ -136,8 +141,7 @@ def test_a_sharded_policy_chunks_its_log_probs_and_matches_the_unsharded_full_pa
     torch.testing.assert_close(fwd.logps, full.logps, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fwd.entropies, full.entropies, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fwd.hidden_states, full.hidden_states, rtol=0, atol=0)
-    gathered = {name: g.full_tensor() if hasattr(g, "full_tensor") else g for name, g in grads.items()}
-    assert_grads_close(gathered, full_grads, 1e-5)
+    assert_grads_close(_whole(grads), full_grads, 1e-5)
     assert sharded_plain_lm_head(build_model("qwen2", "tiny", seed=0)) == "not sharded by FSDP2"
 
 
@@ -157,5 +161,4 @@ def test_checkpointed_and_sharded_layers_match_the_plain_model(one_rank: None) -
     got, grads = forward_and_grads(sharded, batch, 4)
     torch.testing.assert_close(got.logps, want.logps, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got.hidden_states, want.hidden_states, rtol=0, atol=0)
-    gathered = {name: g.full_tensor() if hasattr(g, "full_tensor") else g for name, g in grads.items()}
-    assert_grads_close(gathered, want_grads, 1e-5)
+    assert_grads_close(_whole(grads), want_grads, 1e-5)

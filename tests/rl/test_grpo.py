@@ -256,7 +256,9 @@ def test_gradient_checkpointing_from_trl_checkpoints_the_policy_not_the_referenc
     module.configure_model()  # no strategy: checkpointed, not sharded
     module.configure_model()  # again (validate after fit): nothing twice
     assert module.ref_model is not None
-    flags = lambda model: [getattr(layer, "_lightning_tlt_checkpointed", False) for layer in model.model.layers]  # noqa: E731
+    from torch.distributed._composable import checkpoint
+
+    flags = lambda model: [checkpoint.state(layer) is not None for layer in model.model.layers]  # noqa: E731
     assert flags(module.policy) == [True] * module.policy.config.num_hidden_layers
     assert not any(flags(module.ref_model))  # frozen: nothing to recompute for
 
