@@ -93,17 +93,20 @@ def checkpoint_layers(module: nn.Module) -> int:
     hidden states and one layer recomputing, against 17 GiB), for one more forward of each layer. Only the
     training forward pays: the rollout engine reads the layers' weights, never their ``forward``. A layer
     checkpointed already (torch's own record, ``checkpoint.state``) is left as it is (``configure_model``
-    may run again; torch refuses a second ``checkpoint``).
+    may run again; torch refuses a second ``checkpoint``). The recompute runs under the SDPA kernels its
+    forward ran under (`lightning_tlt.rl.attention.same_attention_contexts`).
 
     Returns:
         the number of layers newly checkpointed.
     """
     from torch.distributed._composable import checkpoint
 
+    from lightning_tlt.rl.attention import same_attention_contexts
+
     done = 0
     for layer in decoder_layers(module):
         if checkpoint.state(layer) is None:
-            checkpoint(layer)
+            checkpoint(layer, context_fn=same_attention_contexts)
             done += 1
     return done
 

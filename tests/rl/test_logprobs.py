@@ -282,3 +282,27 @@ def test_checkpointed_layers_give_the_same_gradients_and_save_a_fraction(name: s
     assert torch.equal(got.hidden_states, want.hidden_states)
     assert_grads_close(grads, want_grads, 1e-6)  # the recompute's gradients
     assert saved_bytes(model, batch, 4) < 0.5 * saved_bytes(reference, batch, 4)
+
+
+def test_a_checkpointed_layer_recomputes_with_its_forwards_attention_kernel() -> None:
+    # issue 37, on an H100: the training forward ran under `training_attention` (flash), the recompute in
+    # the backward outside it picked cuDNN's kernel and torch raised CheckpointError (saved statistics of
+    # another shape). The CPU shows the same with a forward under MATH: the recompute would pick flash.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from lightning_tlt.rl.fsdp import checkpoint_layers
+
+    reference = MODELS["qwen2"]().train()
+    model = copy.deepcopy(reference)
+    checkpoint_layers(model)
+    ids = torch.randint(3, reference.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # a padded row: the CPU's default then picks flash, MATH saves other tensors
+
+    def grads(m: nn.Module) -> dict[str, Tensor]:
+        with sdpa_kernel([SDPBackend.MATH]):
+            logits = m(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        (logits.float() * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()  # outside the `with`
+        return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+    assert_grads_close(grads(model), grads(reference), 1e-6)
