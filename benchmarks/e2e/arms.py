@@ -259,14 +259,31 @@ class StepRecorder(Callback):
             learner = cotrain[0].learner if cotrain else None
             if learner is not None:
                 lines.append(f"  drafter steps in flight on the side stream: {learner.in_flight()} "
-                             f"(handed over so far: {learner.steps_enqueued}); last pacing: "
-                             f"{list(cotrain[0].step_log[-4:])}")
+                             f"{learner.in_flight_states()} (handed over so far: {learner.steps_enqueued}); "
+                             f"last pacing: {list(cotrain[0].step_log[-4:])}")
         except Exception as err:  # the report must not hide the stacks below
             lines.append(f"  (state unreadable: {err!r})")
+        lines += gpu_activity()
         log("\n".join(lines))
         faulthandler.dump_traceback(all_threads=True)
         sys.stderr.flush()
         os._exit(3)
+
+
+def gpu_activity(samples: int = 3) -> list[str]:
+    """``nvidia-smi``'s utilization, power and SM clock, ``samples`` times a second apart: at a stall, a kernel
+    that never ends keeps the GPU busy (near 100 %), a wait nothing will end leaves it idle (0 %)."""
+    query = ["nvidia-smi", "--query-gpu=utilization.gpu,power.draw,clocks.sm", "--format=csv,noheader"]
+    lines = []
+    for i in range(samples):
+        try:
+            done = subprocess.run(query, capture_output=True, text=True, timeout=5)
+            lines.append(f"  nvidia-smi (utilization, power, SM clock): {done.stdout.strip() or done.stderr.strip()}")
+        except (OSError, subprocess.SubprocessError) as err:  # no driver tool (the CPU): say so, go on
+            return [f"  nvidia-smi unavailable: {err!r}"]
+        if i + 1 < samples:
+            time.sleep(1.0)
+    return lines
 
 
 def cotrain_callbacks(trainer: pl.Trainer) -> list[Any]:

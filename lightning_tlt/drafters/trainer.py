@@ -426,6 +426,12 @@ class DrafterTrainer:
             return sum(1 for e in self._slot_done if e is not None and not e.query())
         return len(self._deferred)
 
+    def in_flight_states(self) -> list[str]:
+        """Each handed-over step not finished yet, oldest first: ``"queued"`` (its start not reached: the side
+        stream still runs earlier work or waits for the main stream) or ``"running"`` (started, not ended).
+        Never waits; for a report of a stalled device (the e2e's watchdog). CUDA side stream only."""
+        return ["running" if start.query() else "queued" for start, end in self._timings if not end.query()]
+
     def wait(self) -> None:
         """Order the main stream after every step handed over so far (the host does not wait on CUDA).
 

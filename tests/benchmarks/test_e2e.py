@@ -270,6 +270,7 @@ def test_the_e2e_step_watchdog_ends_a_hung_step_with_every_threads_stack() -> No
     assert run.returncode == 3 and "not ended" not in run.stdout
     assert "tlt: WATCHDOG after 0 finished steps" in run.stdout  # which side is stuck, then every stack
     assert "main stream idle" in run.stdout or "(CPU)" in run.stdout
+    assert "nvidia-smi" in run.stdout  # busy or idle: a kernel that never ends, or a wait (here: no tool)
     assert 'File "<string>", line 6' in run.stderr  # the main thread, where it waited
     assert "in _hung" in run.stderr  # and the watchdog's own thread
 
