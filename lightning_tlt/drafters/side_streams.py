@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from lightning_tlt.core.streams import EXCLUSIVE_STREAMS
+
 
 class GreenContexts:
     """CUDA green contexts by (device index, SMs), each created on first use and never destroyed: memory
@@ -21,11 +23,12 @@ class GreenContexts:
     def __init__(self) -> None:
         self._contexts: dict[tuple[int, int], Any] = {}
 
-    def stream(self, device: torch.device, sms: int | None) -> Any:
+    def stream(self, device: torch.device, sms: int | None, owner: object | None = None) -> Any:
         """A new stream on ``device``: of the green context of ``sms`` SMs (one per device and count), or
-        of the whole device (``None``)."""
+        of the whole device (``None``: a pool stream no graph group or other drafter shares, held while
+        ``owner`` lives; see `lightning_tlt.core.streams`)."""
         if sms is None:
-            return torch.cuda.Stream(device=device)
+            return EXCLUSIVE_STREAMS.acquire(device, "a drafter's side stream", owner=owner)
         from torch.cuda import green_contexts
 
         total = torch.cuda.get_device_properties(device).multi_processor_count

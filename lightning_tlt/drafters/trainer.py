@@ -174,7 +174,7 @@ class DrafterTrainer:
         self._graph: Any = None
         self._captured_at: tuple[int, ...] = ()  # `input_addresses()` at the capture
         in_stream = execution in ("graph", "stream")
-        self._stream: Any = GREEN_CONTEXTS.stream(dev, config.side_stream_sms) if in_stream else None
+        self._stream: Any = GREEN_CONTEXTS.stream(dev, config.side_stream_sms, owner=self) if in_stream else None
         slots = config.max_queued if self._stream is not None else 0
         self._pinned = [torch.empty_like(self._plan, device="cpu").pin_memory() for _ in range(slots)]
         self._slot_done: list[Any] = [None] * slots

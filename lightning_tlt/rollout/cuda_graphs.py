@@ -6,7 +6,13 @@ row, extra) profile is captured once and replayed thereafter (vLLM's and TLT's r
 memory pool, capture from the largest bucket down so smaller graphs reuse its memory). Without
 CUDA, or when a capture fails, the step runs eagerly, with a warning, never a crash.
 
-The bookkeeping (bucketing, keys, LRU eviction under a memory budget, statistics, fallback) does
+Graphs come in *groups* (``group_of``: by default a profile's phase; the engine's speculative graphs by
+drafter too): a group is what is dropped together (a replaced drafter's graphs), and each group is captured
+on a stream of its own that nothing else uses (`lightning_tlt.core.streams`). Removing any graph removes its
+whole group: torch frees a capture stream's cuBLAS workspace when one graph captured on it is reset, while
+every other graph captured on that stream still replays into it.
+
+The bookkeeping (bucketing, keys, groups, LRU eviction under a memory budget, statistics, fallback) does
 not depend on CUDA: a ``backend`` object does the capturing, so it can be exercised on the CPU.
 """
 
@@ -18,12 +24,14 @@ import gc
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from unittest import mock
 
 import torch
+
+from lightning_tlt.core.streams import EXCLUSIVE_STREAMS
 
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512)
 """Batch sizes graphs are captured for; a batch is padded up to the nearest one."""
@@ -44,7 +52,7 @@ class GraphProfile:
 
 
 class CapturedGraph(Protocol):
-    """What a backend returns for one capture."""
+    """What a backend returns for one capture (it may also have ``close()``: free it now)."""
 
     nbytes: int
 
@@ -52,9 +60,20 @@ class CapturedGraph(Protocol):
 
 
 class GraphBackend(Protocol):
-    """Captures a step function; `CUDAGraphBackend` on CUDA, anything with this shape in tests."""
+    """Captures a step function; `CUDAGraphBackend` on CUDA, anything with this shape in tests.
 
-    def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> CapturedGraph: ...
+    ``group``: the capture's group (`CUDAGraphProfileCache`'s ``group_of``); a backend may also have
+    ``release(group)``, which the cache calls once every graph of that group is closed.
+    """
+
+    def capture(
+        self, fn: Callable[[], None], reset: Callable[[], None] | None = None, group: Hashable = ()
+    ) -> CapturedGraph: ...
+
+
+def phase_group(profile: GraphProfile) -> Hashable:
+    """The default group of a profile: its phase."""
+    return profile.phase
 
 
 @dataclass
@@ -65,9 +84,15 @@ class _CudaCaptured:
     def replay(self) -> None:
         self.graph.replay()
 
+    def close(self) -> None:
+        """Free the graph now (not whenever Python collects it): its group's stream is given back after."""
+        self.graph.reset()
+
 
 class CUDAGraphBackend:
-    """Captures into ``torch.cuda.CUDAGraph`` objects that share one memory pool.
+    """Captures into ``torch.cuda.CUDAGraph`` objects that share one memory pool, each group of graphs on a
+    stream of its own (`lightning_tlt.core.streams.EXCLUSIVE_STREAMS`: no other graph group and no drafter
+    shares its cuBLAS workspace), warmed up there too.
 
     Args:
         device: the CUDA device.
@@ -84,15 +109,20 @@ class CUDAGraphBackend:
         self.pool = torch.cuda.graph_pool_handle()
         self.generators = list(generators)
         self.warmup_iters = warmup_iters
+        self._streams: dict[Hashable, Any] = {}
 
-    def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> CapturedGraph:
-        """Warm up ``fn`` (eagerly, on a side stream), then capture it.
+    def capture(
+        self, fn: Callable[[], None], reset: Callable[[], None] | None = None, group: Hashable = ()
+    ) -> CapturedGraph:
+        """Warm up ``fn`` (eagerly, on ``group``'s stream), then capture it there.
 
         ``reset`` restores the state ``fn`` reads before each warm-up run and before the capture:
         a step is not idempotent (a verify advances its rows and leaves the catch-up block of the
         next step), so each run must see the state the live step will see.
         """
-        stream = torch.cuda.Stream(self.device)
+        stream = self._streams.get(group)
+        if stream is None:
+            stream = self._streams[group] = EXCLUSIVE_STREAMS.acquire(self.device, f"CUDA graphs {group!r}", owner=self)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(self.warmup_iters):
@@ -117,6 +147,12 @@ class CUDAGraphBackend:
         free_after, _ = torch.cuda.mem_get_info(self.device)
         held = max(torch.cuda.memory_reserved(self.device) - before, free_before - free_after, 0)
         return _CudaCaptured(graph, held)
+
+    def release(self, group: Hashable) -> None:
+        """Give ``group``'s stream back: every graph captured on it is closed (its workspace freed with them)."""
+        stream = self._streams.pop(group, None)
+        if stream is not None:
+            EXCLUSIVE_STREAMS.release(self.device, stream)
 
 
 def _cheap_capture() -> contextlib.AbstractContextManager[Any]:
@@ -178,7 +214,9 @@ class CUDAGraphProfileCache:
         backend: what captures; ``None`` runs every step eagerly (no CUDA, or graphs turned off).
         buckets: allowed batch sizes, ascending; `bucket` pads a batch up to the nearest one.
         max_batch: the largest batch served; buckets above it are dropped and it is added.
-        memory_budget_bytes: evict least recently used graphs while their bytes exceed this.
+        memory_budget_bytes: evict least recently used graphs while their bytes exceed this (a whole group at
+            a time).
+        group_of: a profile's group (see the module docstring): graphs dropped together share one.
     """
 
     def __init__(
@@ -188,6 +226,7 @@ class CUDAGraphProfileCache:
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         max_batch: int | None = None,
         memory_budget_bytes: int | None = None,
+        group_of: Callable[[GraphProfile], Hashable] = phase_group,
     ) -> None:
         if not buckets or any(b < 1 for b in buckets):
             raise ValueError(f"buckets must be non-empty positive batch sizes, got {tuple(buckets)!r}")
@@ -201,6 +240,7 @@ class CUDAGraphProfileCache:
         self.buckets: tuple[int, ...] = tuple(b)
         self.backend = backend
         self.memory_budget_bytes = memory_budget_bytes
+        self.group_of = group_of
         self.stats = GraphStats()
         self._graphs: OrderedDict[GraphProfile, CapturedGraph] = OrderedDict()
         self._failed: set[GraphProfile] = set()
@@ -273,7 +313,7 @@ class CUDAGraphProfileCache:
         assert self.backend is not None
         start, compiled = time.perf_counter(), compile_seconds()
         try:
-            graph = self.backend.capture(fn) if reset is None else self.backend.capture(fn, reset)
+            graph = self.backend.capture(fn, reset, group=self.group_of(profile))
         except Exception as err:  # noqa: BLE001 - any capture failure means: run this profile eagerly
             self._failed.add(profile)
             self.stats.failures += 1
@@ -289,26 +329,40 @@ class CUDAGraphProfileCache:
         return graph
 
     def _evict(self, keep: GraphProfile) -> None:
+        """Evict the least recently replayed groups (never ``keep``'s) while over the budget."""
         if self.memory_budget_bytes is None:
             return
-        while self.stats.bytes > self.memory_budget_bytes and len(self._graphs) > 1:
-            oldest = next(iter(self._graphs))
-            if oldest == keep:
+        kept = self.group_of(keep)
+        while self.stats.bytes > self.memory_budget_bytes:
+            group = next((g for g in map(self.group_of, self._graphs) if g != kept), None)
+            if group is None:
                 break
-            graph = self._graphs.pop(oldest)
+            self.stats.evictions += self._remove_groups({group})
+
+    def _remove_groups(self, groups: set[Hashable]) -> int:
+        """Close every graph of ``groups`` and give their streams back; returns how many graphs."""
+        doomed = [p for p in self._graphs if self.group_of(p) in groups]
+        for profile in doomed:
+            graph = self._graphs.pop(profile)
             self.stats.bytes -= graph.nbytes
-            self.stats.evictions += 1
+            close = getattr(graph, "close", None)
+            if close is not None:
+                close()
+        release = getattr(self.backend, "release", None)
+        if release is not None:
+            for group in groups:
+                release(group)
+        return len(doomed)
 
     def drop(self, which: Callable[[GraphProfile], bool]) -> int:
-        """Free the graphs whose profile ``which`` selects (e.g. those of a replaced drafter); returns how many."""
-        doomed = [p for p in self._graphs if which(p)]
-        for profile in doomed:
-            self.stats.bytes -= self._graphs.pop(profile).nbytes
+        """Free the graphs whose profile ``which`` selects (e.g. those of a replaced drafter), with the rest of
+        their groups (see the module docstring); returns how many were freed."""
+        count = self._remove_groups({self.group_of(p) for p in self._graphs if which(p)})
         self._failed = {p for p in self._failed if not which(p)}
-        return len(doomed)
+        return count
 
     def clear(self) -> None:
         """Drop every graph (e.g. after the policy's parameters were replaced by new tensors)."""
-        self._graphs.clear()
+        self._remove_groups({self.group_of(p) for p in self._graphs})
         self._failed.clear()
         self.stats.bytes = 0

@@ -41,7 +41,7 @@ so its steps read them back (a few integers a row).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -135,6 +135,12 @@ def eagle_profile(batch: int, k: int, sampling: SamplingKey, drafter_handle: int
 def eagle_handle(profile: GraphProfile) -> int:
     """The drafter handle of an EAGLE step's profile (`eagle_profile`)."""
     return int(profile.extra[1])
+
+
+def graph_group(profile: GraphProfile) -> Hashable:
+    """The engine's graph groups (`CUDAGraphProfileCache`'s ``group_of``): an EAGLE step's graphs by drafter
+    (a replaced drafter's are dropped together), any other step's by phase."""
+    return ("spec", eagle_handle(profile)) if profile.phase == "spec" else profile.phase
 
 
 class SpeculativeStep:

@@ -33,7 +33,7 @@ from lightning_tlt.rollout.cuda_graphs import (
 from lightning_tlt.rollout.drafter_hosting import DrafterHosting
 from lightning_tlt.rollout.scheduler import Request
 from lightning_tlt.rollout.slot_state import SlotState
-from lightning_tlt.rollout.spec_step import SpeculativeStep, StepContext
+from lightning_tlt.rollout.spec_step import SpeculativeStep, StepContext, graph_group
 from lightning_tlt.rollout.steps import (
     PolicyRegions,
     SamplingKey,
@@ -81,8 +81,11 @@ class StepRunner(DrafterHosting):
         # compiled, a lone row is padded to two: Dynamo specialises size 1 even under dynamic=True, so a
         # batch-1 step would compile every step function again when the tail first runs down to one row
         buckets = tuple(b for b in DEFAULT_BUCKETS if b > 1) if use_compile and slots > 1 else DEFAULT_BUCKETS
+        if self._graphs is not None:  # closed now: its streams are given back before the new cache takes any
+            self._graphs.clear()
         self._graphs = CUDAGraphProfileCache(
-            backend, buckets=buckets, max_batch=slots, memory_budget_bytes=self._graph_memory_budget
+            backend, buckets=buckets, max_batch=slots, memory_budget_bytes=self._graph_memory_budget,
+            group_of=graph_group,
         )
         self._forward, self._decode_update = policy_step, decode_update
         self._compiled = use_compile
@@ -122,8 +125,9 @@ class StepRunner(DrafterHosting):
         """
         self.allocate_buffers()
         assert self._graphs is not None
+        self._graphs.clear()
         self._graphs = CUDAGraphProfileCache(backend, buckets=self._graphs.buckets, max_batch=self.num_slots,
-                                             memory_budget_bytes=self._graph_memory_budget)
+                                             memory_budget_bytes=self._graph_memory_budget, group_of=graph_group)
         return self._graphs
 
     def _compile_store(self, capture: tuple[int, ...]) -> CompileStore:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import pytest
@@ -34,7 +34,7 @@ class RecordingBackend:
         self.order: list[int] = []
         self.current_batch = 0
 
-    def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> Replayable:
+    def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None, group: Hashable = ()) -> Replayable:
         self.order.append(self.current_batch)
         if self.current_batch in self.fail_batches:
             raise RuntimeError("capture failed")
@@ -90,18 +90,72 @@ def test_capture_largest_first() -> None:
     assert cache.stats.captures == 5
 
 
-def test_lru_eviction_under_budget() -> None:
-    backend = RecordingBackend(nbytes=100)
-    cache = CUDAGraphProfileCache(backend, max_batch=8, memory_budget_bytes=250)
-    a, b, c = (GraphProfile("decode", n) for n in (1, 2, 4))
-    cache.run(a, lambda: None)
-    cache.run(b, lambda: None)
-    cache.run(a, lambda: None)  # a is now more recently used than b
-    cache.run(c, lambda: None)  # 300 bytes > 250: evict the least recently used, b
-    assert a in cache and c in cache and b not in cache
-    assert cache.stats.evictions == 1 and cache.stats.bytes == 200
+def test_lru_eviction_under_budget_evicts_whole_groups() -> None:
+    backend = GroupRecordingBackend(nbytes=100)
+    cache = CUDAGraphProfileCache(backend, max_batch=8, memory_budget_bytes=350)
+    a, b, b2, c = GraphProfile("decode", 1), GraphProfile("verify", 2), GraphProfile("verify", 4), GraphProfile("draft", 4)
+    for profile in (a, b, b2, a):  # a is now more recently used than b's group
+        backend.run(cache, profile)
+    backend.run(cache, c)  # 400 bytes > 350: evict the least recently used group, b's (both of its graphs)
+    assert a in cache and c in cache and b not in cache and b2 not in cache
+    assert cache.stats.evictions == 2 and cache.stats.bytes == 200
+    assert backend.closed == [b, b2] and backend.released == ["verify"]  # closed first, then the stream back
+    backend.run(cache, GraphProfile("draft", 8))  # 300 bytes: within the budget
+    backend.run(cache, GraphProfile("draft", 2))  # 400: a's group goes, never the one just captured
+    assert a not in cache and len(cache) == 3 and backend.released == ["verify", "decode"]
+    tight = CUDAGraphProfileCache(GroupRecordingBackend(nbytes=100), max_batch=8, memory_budget_bytes=150)
+    for n in (1, 2, 4):  # one group over the budget by itself: kept whole (one graph freed would free the
+        tight.run(GraphProfile("decode", n), lambda: None)  # workspace its siblings replay into)
+    assert len(tight) == 3 and tight.stats.evictions == 0
     cache.clear()
-    assert len(cache) == 0 and cache.stats.bytes == 0
+    assert len(cache) == 0 and cache.stats.bytes == 0 and sorted(backend.released) == ["decode", "draft", "verify"]
+
+
+class GroupRecordingBackend(RecordingBackend):
+    """Records each capture's group, which graphs are closed, and which groups are released."""
+
+    def __init__(self, nbytes: int = 100) -> None:
+        super().__init__(nbytes)
+        self.groups: dict[Hashable, list[GraphProfile]] = {}
+        self.closed: list[GraphProfile] = []
+        self.released: list[Hashable] = []
+        self.profile: GraphProfile | None = None
+
+    def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None, group: Hashable = ()) -> Replayable:
+        backend, profile = self, self.profile
+
+        class Closable(Replayable):
+            def close(self) -> None:
+                assert group not in backend.released, "a graph closed after its group's stream was given back"
+                backend.closed.append(profile)
+
+        return Closable(fn, self.nbytes)
+
+    def release(self, group: Hashable) -> None:
+        self.released.append(group)
+
+    def run(self, cache: CUDAGraphProfileCache, profile: GraphProfile) -> None:
+        self.profile = profile  # what a capture of this run records as closed later
+        cache.run(profile, lambda: None)
+
+
+def test_dropping_one_graph_drops_its_group_and_gives_its_stream_back() -> None:
+    # torch frees a capture stream's cuBLAS workspace when any graph captured on it is reset: every other graph
+    # of that stream would replay into freed memory, so a group (one stream) goes whole or not at all
+    from lightning_tlt.rollout.spec_step import graph_group
+
+    backend = GroupRecordingBackend()
+    cache = CUDAGraphProfileCache(backend, max_batch=8, group_of=graph_group)
+    profiles = [GraphProfile("spec", n, 3, ("s", handle, 64)) for handle in (1, 2) for n in (1, 2)]
+    profiles.append(GraphProfile("decode", 4, 1, ("s", 64)))
+    for profile in profiles:
+        backend.run(cache, profile)
+    assert cache.drop(lambda p: p == profiles[0]) == 2  # drafter 1's graph asked for, drafter 1's group freed
+    assert backend.closed == profiles[:2] and backend.released == [("spec", 1)]
+    assert cache.profiles() == profiles[2:]
+    assert cache.drop(lambda p: False) == 0 and backend.released == [("spec", 1)]
+    cache.clear()
+    assert backend.closed == profiles and sorted(map(str, backend.released)) == ["('spec', 1)", "('spec', 2)", "decode"]
 
 
 def test_failed_capture_falls_back_to_eager_with_warning() -> None:
@@ -143,7 +197,7 @@ class WarmupBackend:
     def __init__(self) -> None:
         self.captures = 0
 
-    def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> Replayable:
+    def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None, group: Hashable = ()) -> Replayable:
         for _ in range(2):
             if reset is not None:
                 reset()

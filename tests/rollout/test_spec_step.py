@@ -7,7 +7,7 @@ deterministic cost model so that "which arm is faster" is a fact of the test, no
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -160,7 +160,7 @@ def test_tuner_keeps_speculating_with_a_drafter_equal_to_the_policy() -> None:
 class CountingBackend:
     """Captures by keeping the function (an eager stand-in for a CUDA graph)."""
 
-    def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> Replayable:
+    def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None, group: Hashable = ()) -> Replayable:
         if reset is not None:
             reset()
         return Replayable(fn, 1)
@@ -275,7 +275,7 @@ def test_a_stale_catch_up_block_wider_than_the_step_is_never_indexed() -> None:
     captured: list[object] = []
 
     class Backend:
-        def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> Replayable:
+        def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None, group: Hashable = ()) -> Replayable:
             captured.append(reset)
             return Replayable(fn, 1)
 
@@ -651,7 +651,7 @@ def test_the_tuner_never_scores_a_step_that_captured_a_graph() -> None:
     captures = [0]
 
     class Backend(CountingBackend):
-        def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None) -> Replayable:
+        def capture(self, fn: Callable[[], None], reset: Callable[[], None] | None = None, group: Hashable = ()) -> Replayable:
             captures[0] += 1
             return super().capture(fn, reset)
 

@@ -1,0 +1,89 @@
+"""CUDA streams that no other part of the kit shares: the drafter's side stream, and one stream per group of
+captured rollout graphs.
+
+Why a stream must not be shared. ``torch.cuda.Stream()`` hands out streams round-robin from a pool of 32 per
+device and priority, so the 33rd stream made is the first one again. cuBLAS keeps one workspace per (handle,
+stream); a CUDA graph replays into the workspace of the stream it was *captured* on, whatever stream replays
+it; and since torch 2.11 resetting a graph frees its capture stream's workspace (``CUDAGraph::reset`` calls
+``clearCublasWorkspacesForStream``), even while other live graphs captured on that stream still replay into
+it (pytorch/pytorch#193402). The engine captured each graph on a fresh pool stream (55 graphs over 32
+streams) and the drafter trained on another pool stream, so:
+
+- a rollout graph captured on the drafter's stream replayed into the workspace the drafter's concurrent steps
+  were writing (two split-K GEMMs on one scratch buffer: wrong numbers, or a kernel that never ends);
+- dropping a replaced drafter's graphs freed the workspace of every graph captured on the same pool streams,
+  which then replayed into memory the allocator had handed to something else.
+
+The e2e's TLT arm stalled on the GPU in exactly that shape (one drafter step in flight, the main stream
+waiting), intermittently, across sessions. `ExclusiveStreams` hands each user a pool stream no other user of
+it holds; `lightning_tlt.rollout.cuda_graphs.CUDAGraphProfileCache` captures each *group* of graphs (what is
+dropped together) on one such stream and always drops a group whole.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["EXCLUSIVE_STREAMS", "ExclusiveStreams"]
+
+_POOL_SIZE = 32
+"""Streams torch's pool holds per device and priority (``kStreamsPerPool``)."""
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+class ExclusiveStreams:
+    """Pool streams handed out so that no two holders share one.
+
+    Args:
+        factory: makes a stream for a device (``torch.cuda.Stream``; a fake in the CPU tests). Each call
+            may return a stream that is already held (the pool repeats): those are skipped.
+        device_index: the index a device maps to (``torch.cuda.current_device()`` for a bare ``"cuda"``).
+    """
+
+    def __init__(
+        self,
+        factory: Callable[[torch.device], Any] | None = None,
+        device_index: Callable[[torch.device], int] = _device_index,
+    ) -> None:
+        self._factory = factory if factory is not None else (lambda device: torch.cuda.Stream(device=device))
+        self._device_index = device_index
+        self._held: dict[tuple[int, int], str] = {}
+
+    def acquire(self, device: torch.device, purpose: str, owner: object | None = None) -> Any:
+        """A stream of ``device`` that no other holder has, held for ``purpose`` (named in errors) until
+        `release`, or until ``owner`` is garbage-collected when one is given.
+
+        Raises:
+            RuntimeError: every stream of the pool is held (naming the holders).
+        """
+        index = self._device_index(device)
+        for _ in range(2 * _POOL_SIZE):  # one full turn of the pool visits every stream
+            stream = self._factory(device)
+            key = (index, int(stream.cuda_stream))
+            if key not in self._held:
+                self._held[key] = purpose
+                if owner is not None:
+                    weakref.finalize(owner, self._held.pop, key, None)
+                return stream
+        holders = sorted(p for (i, _), p in self._held.items() if i == index)
+        raise RuntimeError(f"no CUDA stream of device {index} is free for {purpose}: the pool's streams are "
+                           f"held by {holders}")  # fmt: skip
+
+    def release(self, device: torch.device, stream: Any) -> None:
+        """Give ``stream`` back (a stream not held is ignored)."""
+        self._held.pop((self._device_index(device), int(stream.cuda_stream)), None)
+
+    def holders(self) -> list[str]:
+        """What each held stream is held for (every device)."""
+        return sorted(self._held.values())
+
+
+EXCLUSIVE_STREAMS = ExclusiveStreams()
+"""The process's exclusive streams (the drafter's side streams, the rollout graphs' capture streams)."""
