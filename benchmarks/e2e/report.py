@@ -208,7 +208,9 @@ def ratios(summary: dict[str, Any], pairs: dict[int, tuple[Steps, Steps]], skip:
     def over(x: float | None, y: float | None) -> float | None:
         return x / y if x is not None and y is not None and y > 0 else None
 
-    pooled = a_over_b(list(pairs.values()), skip) if pairs else {}
+    names = ("a_over_b_step", "a_over_b_tokens_per_s", "a_over_b_run")
+    unpaired = {key: None for n in names for key in (n, f"{n}_ci95")} | {"tlt_step0_over_nospec_step0": None}
+    pooled = a_over_b(list(pairs.values()), skip) if pairs else unpaired  # every name, measured or not
     pooled.pop("steps", None)
     return {
         **pooled,

@@ -91,6 +91,10 @@ def test_the_ratios_are_the_hand_derived_ones_per_seed_and_pooled(e2e: ModuleTyp
     one = e2e.section([a0, b0], [_trl([30.0])], skip=2)
     assert one["summary"]["trl"]["step_s"] is None and one["ratios"]["tlt_over_trl_step"] is None
     assert one["ratios"]["tlt_over_trl_first_step"] == pytest.approx(30 / 10)
+    # b alone (a call that ended before a ran): every ratio the issue names is there, unmeasured
+    alone = e2e.section([b0], [], skip=2)["ratios"]
+    assert {"a_over_b_step", "a_over_b_tokens_per_s", "a_over_b_run", "tlt_step0_over_nospec_step0"} <= alone.keys()
+    assert alone["a_over_b_step"] is None and alone["a_over_b_run_ci95"] is None
 
 
 def test_the_bootstrap_interval_is_seeded_and_covers_the_estimate(e2e: ModuleType) -> None:
