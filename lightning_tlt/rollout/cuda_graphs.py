@@ -148,6 +148,11 @@ class CUDAGraphBackend:
         held = max(torch.cuda.memory_reserved(self.device) - before, free_before - free_after, 0)
         return _CudaCaptured(graph, held)
 
+    @property
+    def streams(self) -> dict[Hashable, Any]:
+        """The stream each group captures on (a copy)."""
+        return dict(self._streams)
+
     def release(self, group: Hashable) -> None:
         """Give ``group``'s stream back: every graph captured on it is closed (its workspace freed with them)."""
         stream = self._streams.pop(group, None)
