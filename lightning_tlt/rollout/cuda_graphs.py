@@ -85,7 +85,10 @@ class _CudaCaptured:
         self.graph.replay()
 
     def close(self) -> None:
-        """Free the graph now (not whenever Python collects it): its group's stream is given back after."""
+        """Free the graph now (not whenever Python collects it), once its launches have finished: a replay
+        runs on another stream than the one the freed memory belongs to (its capture stream, given back
+        to the pool after this), so the allocator's stream ordering does not protect it."""
+        torch.cuda.synchronize()
         self.graph.reset()
 
 

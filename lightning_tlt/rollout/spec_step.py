@@ -338,10 +338,13 @@ class SpeculativeStep:
         spec.draft_start[:batch] = torch.where(fresh, spec.draft_start[:batch], base)
         lo = spec.prefix_end[:batch] + 1
         hole = torch.stack([lo, torch.maximum(spec.draft_start[:batch], lo)], dim=1)  # (B, 2)
-        # positions and RoPE of the whole chain, once: the catch-up block, then k - 1 chained rows
-        steps = torch.arange(width + k - 1, device=base.device)
+        # positions and RoPE of the whole chain, once: the catch-up block, then the chained rows. Laid out for
+        # the longest chain whatever k is: the functions below take slices of it, and a slice's strides are
+        # its base's (a width that varied with k made the catch-up and the chained row compile a version per
+        # draft length; on the CPU the catch-up compiled two for k = 1 and 2, as on the H100's e2e step 0)
+        steps = torch.arange(width + self.max_k - 1, device=base.device)
         chain_pos = base[:, None] + steps[None]  # catch-up rows at base + 0..W-1
-        chain_pos[:, width:] = (base + valid - 1)[:, None] + steps[None, 1:k]
+        chain_pos[:, width:] = (base + valid - 1)[:, None] + steps[None, 1 : self.max_k]
         cos, sin = rope_cos_sin(chain_pos, drafter.inv_freq, drafter.rope_scaling, drafter.fc.weight.dtype)
         dk, dv = spec.dcache.k[0], spec.dcache.v[0]
         pred = self._catch_up_rows(drafter, feats, toks, chain_pos[:, :width], dk, dv, hole,

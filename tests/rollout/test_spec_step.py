@@ -330,6 +330,31 @@ def test_every_step_shape_of_a_speculating_engine_stays_compiled(monkeypatch: py
     assert stored_compile.stats()["fell_back"] == fell_back
 
 
+def test_the_draft_chain_compiles_one_version_for_every_draft_length(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path) -> None:
+    # the e2e's step 0 on an H100 (and the CPU, stored versions): the catch-up compiled twice, for k = 1 and 2.
+    # Its positions and RoPE were slices of a chain laid out k wide, and a slice's strides are its base's.
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
+    model = build_model("qwen2", "tiny", seed=0)
+    config = SpeculativeConfig(method="eagle", threshold=16, hysteresis_steps=1, draft_candidates=(2, 4, 6, 8))
+    engine = RolloutEngine(model, max_seq_len=64, max_batch_size=16, compile=True, speculative=config,
+                           compile_cache=str(tmp_path))  # fmt: skip
+    engine.allocate_buffers()
+    step, st, cache, drafter = engine.speculative_step, engine.slot_state, engine.kv_cache, engine.drafter
+    assert step is not None and st is not None and cache is not None and drafter is not None
+    step.begin(model.lm_head)
+    st.begin([], 20)
+    st.finished[:] = False
+    st.positions.fill_(10)
+    st.ensure_drafter_cache(drafter.num_kv_heads, drafter.head_dim, cache.max_seq_len, drafter.fc.weight.dtype)
+    with torch.no_grad():  # as the engine calls them
+        for batch in (16, 8):
+            for k in (1, 2, 4, 8, 3):
+                step.eagle_step(engine.step_context(), batch, k, 9, SamplingKey(1.0, 0, 1.0), drafter, None)
+    assert (step._catch_up_rows.num_versions, step._chain_row.num_versions) == (1, 1)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not stored_compile.aot_enabled(), reason="torch without aot_compile")
 def test_a_draft_length_or_batch_of_one_shares_the_verify_version(
