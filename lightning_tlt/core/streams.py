@@ -54,7 +54,7 @@ class ExclusiveStreams:
     ) -> None:
         self._factory = factory if factory is not None else (lambda device: torch.cuda.Stream(device=device))
         self._device_index = device_index
-        self._held: dict[tuple[int, int], str] = {}
+        self._held: dict[tuple[int, int], _Hold] = {}
 
     def acquire(self, device: torch.device, purpose: str, owner: object | None = None) -> Any:
         """A stream of ``device`` that no other holder has, held for ``purpose`` (named in errors) until
@@ -68,21 +68,35 @@ class ExclusiveStreams:
             stream = self._factory(device)
             key = (index, int(stream.cuda_stream))
             if key not in self._held:
-                self._held[key] = purpose
-                if owner is not None:
-                    weakref.finalize(owner, self._held.pop, key, None)
+                hold = self._held[key] = _Hold(purpose)
+                if owner is not None:  # given back when the owner goes, unless given back before
+                    hold.finalizer = weakref.finalize(owner, self._drop, key, hold)
                 return stream
-        holders = sorted(p for (i, _), p in self._held.items() if i == index)
+        holders = sorted(h.purpose for (i, _), h in self._held.items() if i == index)
         raise RuntimeError(f"no CUDA stream of device {index} is free for {purpose}: the pool's streams are "
                            f"held by {holders}")  # fmt: skip
 
     def release(self, device: torch.device, stream: Any) -> None:
         """Give ``stream`` back (a stream not held is ignored)."""
-        self._held.pop((self._device_index(device), int(stream.cuda_stream)), None)
+        hold = self._held.pop((self._device_index(device), int(stream.cuda_stream)), None)
+        if hold is not None and hold.finalizer is not None:
+            hold.finalizer.detach()  # its owner's end must not give back a later holder's stream
+
+    def _drop(self, key: tuple[int, int], hold: _Hold) -> None:
+        if self._held.get(key) is hold:
+            del self._held[key]
 
     def holders(self) -> list[str]:
         """What each held stream is held for (every device)."""
-        return sorted(self._held.values())
+        return sorted(h.purpose for h in self._held.values())
+
+
+class _Hold:
+    """One holder's claim on a stream: its purpose, and the finalizer that gives it back with its owner."""
+
+    def __init__(self, purpose: str) -> None:
+        self.purpose = purpose
+        self.finalizer: weakref.finalize | None = None
 
 
 EXCLUSIVE_STREAMS = ExclusiveStreams()

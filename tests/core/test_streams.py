@@ -67,3 +67,22 @@ def test_a_stream_held_for_an_owner_is_given_back_when_the_owner_goes() -> None:
     gc.collect()
     assert exclusive.holders() == ["graphs"]
     exclusive.acquire(cpu, "another")
+
+
+def test_an_owner_that_goes_after_giving_its_stream_back_leaves_the_next_holder_alone() -> None:
+    exclusive, _ = streams(1)
+    cpu = torch.device("cpu")
+
+    class Owner:
+        pass
+
+    owner: Any = Owner()
+    first = exclusive.acquire(cpu, "graphs of an old engine", owner=owner)
+    exclusive.release(cpu, first)
+    again = exclusive.acquire(cpu, "a drafter's side stream")
+    assert again.cuda_stream == first.cuda_stream
+    del owner
+    gc.collect()
+    assert exclusive.holders() == ["a drafter's side stream"]  # still held: no one else may get it
+    with pytest.raises(RuntimeError, match="no CUDA stream"):
+        exclusive.acquire(cpu, "another")
