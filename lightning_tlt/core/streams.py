@@ -22,6 +22,7 @@ dropped together) on one such stream and always drops a group whole.
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -61,17 +62,21 @@ class ExclusiveStreams:
         `release`, or until ``owner`` is garbage-collected when one is given.
 
         Raises:
-            RuntimeError: every stream of the pool is held (naming the holders).
+            RuntimeError: every stream of the pool is held, after a garbage collection gave back those
+                whose owners were garbage (naming the holders).
         """
         index = self._device_index(device)
-        for _ in range(2 * _POOL_SIZE):  # one full turn of the pool visits every stream
-            stream = self._factory(device)
-            key = (index, int(stream.cuda_stream))
-            if key not in self._held:
-                hold = self._held[key] = _Hold(purpose)
-                if owner is not None:  # given back when the owner goes, unless given back before
-                    hold.finalizer = weakref.finalize(owner, self._drop, key, hold)
-                return stream
+        for attempt in range(2):
+            for _ in range(2 * _POOL_SIZE):  # one full turn of the pool visits every stream
+                stream = self._factory(device)
+                key = (index, int(stream.cuda_stream))
+                if key not in self._held:
+                    hold = self._held[key] = _Hold(purpose)
+                    if owner is not None:  # given back when the owner goes, unless given back before
+                        hold.finalizer = weakref.finalize(owner, self._drop, key, hold)
+                    return stream
+            if attempt == 0:  # owners that are garbage but not yet collected (an engine in a reference cycle)
+                gc.collect()
         holders = sorted(h.purpose for (i, _), h in self._held.items() if i == index)
         raise RuntimeError(f"no CUDA stream of device {index} is free for {purpose}: the pool's streams are "
                            f"held by {holders}")  # fmt: skip

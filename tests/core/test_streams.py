@@ -86,3 +86,23 @@ def test_an_owner_that_goes_after_giving_its_stream_back_leaves_the_next_holder_
     assert exclusive.holders() == ["a drafter's side stream"]  # still held: no one else may get it
     with pytest.raises(RuntimeError, match="no CUDA stream"):
         exclusive.acquire(cpu, "another")
+
+
+def test_owners_in_a_reference_cycle_give_their_streams_back_when_the_pool_runs_out() -> None:
+    exclusive, _ = streams(2)
+    cpu = torch.device("cpu")
+
+    class Engine:  # a finished run's engine, kept alive only by a cycle until the collector runs
+        def __init__(self) -> None:
+            self.me = self
+
+    gc.disable()
+    try:
+        for run in range(3):  # a third run finds both streams held by unreachable engines: collected, then free
+            engine: Any = Engine()
+            exclusive.acquire(cpu, f"graphs of run {run}", owner=engine)
+            exclusive.acquire(cpu, f"side stream of run {run}", owner=engine)
+            del engine
+    finally:
+        gc.enable()
+    assert exclusive.holders() == ["graphs of run 2", "side stream of run 2"]
