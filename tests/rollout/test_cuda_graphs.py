@@ -1,4 +1,4 @@
-"""CUDAGraphProfileCache bookkeeping on the CPU: bucketing, keys, capture order, LRU, stats, fallback."""
+"""CUDAGraphProfileCache bookkeeping on the CPU: bucketing, keys, capture order, groups, LRU, stats, fallback."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ import torch
 
 from lightning_tlt.core.types import SamplingConfig
 from lightning_tlt.models.zoo import build_model
-from lightning_tlt.rollout.cuda_graphs import DEFAULT_BUCKETS, CUDAGraphProfileCache, GraphProfile
+from lightning_tlt.rollout.cuda_graphs import (
+    DEFAULT_BUCKETS,
+    CUDAGraphBackend,
+    CUDAGraphProfileCache,
+    GraphProfile,
+)
 from lightning_tlt.rollout.engine import RolloutEngine
 
 
@@ -252,3 +257,84 @@ def test_speculative_graph_warmups_see_the_live_state() -> None:
         outs.append(engine.generate(prompts, cfg, generator=torch.Generator().manual_seed(3)))
     assert outs[1].completion_ids == outs[0].completion_ids and outs[1].logprobs == outs[0].logprobs
     assert backend.captures > 4 and outs[1].stats["spec/acceptance_length"] > 2.0
+
+
+def test_the_cuda_backend_captures_each_group_on_its_own_stream_and_gives_it_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`CUDAGraphBackend`'s bookkeeping over a fake of torch.cuda (the GPU check is benchmarks/graph_streams.py):
+    one held stream per group, warm-up and capture on it, and the stream given back after its group's graphs
+    are reset."""
+    from contextlib import contextmanager
+
+    from lightning_tlt.core.streams import ExclusiveStreams
+    from lightning_tlt.rollout import cuda_graphs
+
+    log: list[tuple[str, object]] = []
+    current: list[object] = ["main"]
+
+    class Stream:
+        made = 0
+
+        def __init__(self, device: object = None) -> None:
+            Stream.made += 1
+            self.cuda_stream = 100 + Stream.made % 4  # a pool of 4 that comes round
+
+        def wait_stream(self, other: object) -> None:
+            pass
+
+    class Graph:
+        def register_generator_state(self, gen: object) -> None:
+            pass
+
+        def reset(self) -> None:
+            log.append(("reset", self))
+
+        def replay(self) -> None:
+            log.append(("replay", self))
+
+    @contextmanager
+    def on_stream(stream: object):  # type: ignore[no-untyped-def]
+        current.append(stream)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    @contextmanager
+    def capturing(graph: Graph, pool: object = None, stream: Stream | None = None):  # type: ignore[no-untyped-def]
+        log.append(("capture on", stream.cuda_stream if stream is not None else None))
+        yield
+
+    class Main:
+        def wait_stream(self, other: object) -> None:
+            pass
+
+    fake = {"graph_pool_handle": lambda: "pool", "current_stream": lambda device=None: Main(),
+            "stream": on_stream, "synchronize": lambda device=None: None, "memory_reserved": lambda device=None: 0,
+            "mem_get_info": lambda device=None: (1 << 30, 1 << 31), "CUDAGraph": Graph, "graph": capturing}
+    for name, value in fake.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    exclusive = ExclusiveStreams(Stream, device_index=lambda device: 0)
+    monkeypatch.setattr(cuda_graphs, "EXCLUSIVE_STREAMS", exclusive)
+    side = exclusive.acquire(torch.device("cuda"), "a drafter's side stream")
+    for _ in range(3):  # streams made elsewhere: the pool's next stream is the drafter's again
+        Stream()
+
+    backend = CUDAGraphBackend(torch.device("cuda"))
+    cache = CUDAGraphProfileCache(backend, max_batch=8)
+    warmed_on: list[object] = []
+    for profile in (GraphProfile("decode", 2), GraphProfile("decode", 4), GraphProfile("verify", 4, 3)):
+        cache.run(profile, lambda: warmed_on.append(current[-1]))
+    streams = backend.streams
+    assert set(streams) == {"decode", "verify"} and streams["decode"] is not streams["verify"]
+    handles = {s.cuda_stream for s in streams.values()}
+    assert len(handles) == 2 and side.cuda_stream not in handles  # never the drafter's, though the pool repeats
+    assert [h for what, h in log if what == "capture on"] == [streams["decode"].cuda_stream] * 2 + [
+        streams["verify"].cuda_stream]
+    assert warmed_on[0] is streams["decode"]  # the warm-up ran on the group's stream (then the replays on main)
+    cache.drop(lambda p: p.phase == "verify")
+    assert [what for what, _ in log].count("reset") == 1 and set(backend.streams) == {"decode"}
+    assert sorted(exclusive.holders()) == ["CUDA graphs 'decode'", "a drafter's side stream"]
+    cache.clear()
+    assert exclusive.holders() == ["a drafter's side stream"]
