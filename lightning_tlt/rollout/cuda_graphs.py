@@ -76,10 +76,17 @@ def phase_group(profile: GraphProfile) -> Hashable:
     return profile.phase
 
 
+class _StreamHold:
+    """A group's claim on its stream, kept by the backend and by every graph captured on the stream: the
+    stream goes back to the pool only when the last of them goes (a graph destroyed later frees the
+    stream's workspace, which must not be a later holder's by then)."""
+
+
 @dataclass
 class _CudaCaptured:
     graph: torch.cuda.CUDAGraph
     nbytes: int
+    hold: _StreamHold | None = None
 
     def replay(self) -> None:
         self.graph.replay()
@@ -112,7 +119,7 @@ class CUDAGraphBackend:
         self.pool = torch.cuda.graph_pool_handle()
         self.generators = list(generators)
         self.warmup_iters = warmup_iters
-        self._streams: dict[Hashable, Any] = {}
+        self._streams: dict[Hashable, tuple[Any, _StreamHold]] = {}
 
     def capture(
         self, fn: Callable[[], None], reset: Callable[[], None] | None = None, group: Hashable = ()
@@ -123,9 +130,11 @@ class CUDAGraphBackend:
         a step is not idempotent (a verify advances its rows and leaves the catch-up block of the
         next step), so each run must see the state the live step will see.
         """
-        stream = self._streams.get(group)
-        if stream is None:
-            stream = self._streams[group] = EXCLUSIVE_STREAMS.acquire(self.device, f"CUDA graphs {group!r}", owner=self)
+        if group not in self._streams:
+            hold = _StreamHold()
+            stream = EXCLUSIVE_STREAMS.acquire(self.device, f"CUDA graphs {group!r}", owner=hold)
+            self._streams[group] = (stream, hold)
+        stream, hold = self._streams[group]
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(self.warmup_iters):
@@ -149,18 +158,18 @@ class CUDAGraphBackend:
         torch.cuda.synchronize(self.device)
         free_after, _ = torch.cuda.mem_get_info(self.device)
         held = max(torch.cuda.memory_reserved(self.device) - before, free_before - free_after, 0)
-        return _CudaCaptured(graph, held)
+        return _CudaCaptured(graph, held, hold)
 
     @property
     def streams(self) -> dict[Hashable, Any]:
         """The stream each group captures on (a copy)."""
-        return dict(self._streams)
+        return {group: stream for group, (stream, _) in self._streams.items()}
 
     def release(self, group: Hashable) -> None:
         """Give ``group``'s stream back: every graph captured on it is closed (its workspace freed with them)."""
-        stream = self._streams.pop(group, None)
-        if stream is not None:
-            EXCLUSIVE_STREAMS.release(self.device, stream)
+        held = self._streams.pop(group, None)
+        if held is not None:
+            EXCLUSIVE_STREAMS.release(self.device, held[0])
 
 
 def _cheap_capture() -> contextlib.AbstractContextManager[Any]:

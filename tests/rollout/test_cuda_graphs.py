@@ -338,3 +338,15 @@ def test_the_cuda_backend_captures_each_group_on_its_own_stream_and_gives_it_bac
     assert sorted(exclusive.holders()) == ["CUDA graphs 'decode'", "a drafter's side stream"]
     cache.clear()
     assert exclusive.holders() == ["a drafter's side stream"]
+    # a graph that outlives its backend keeps its group's stream held: its destruction frees the stream's
+    # workspace, which must not be a later holder's by then
+    import gc
+
+    other = CUDAGraphBackend(torch.device("cuda"))
+    survivor = other.capture(lambda: None, group="late")
+    del other
+    gc.collect()
+    assert "CUDA graphs 'late'" in exclusive.holders()
+    del survivor
+    gc.collect()
+    assert exclusive.holders() == ["a drafter's side stream"]
