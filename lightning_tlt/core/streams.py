@@ -4,9 +4,9 @@ captured rollout graphs.
 Why a stream must not be shared. ``torch.cuda.Stream()`` hands out streams round-robin from a pool of 32 per
 device and priority, so the 33rd stream made is the first one again. cuBLAS keeps one workspace per (handle,
 stream); a CUDA graph replays into the workspace of the stream it was *captured* on, whatever stream replays
-it; and since torch 2.11 resetting a graph frees its capture stream's workspace (``CUDAGraph::reset`` calls
-``clearCublasWorkspacesForStream``), even while other live graphs captured on that stream still replay into
-it (pytorch/pytorch#193402). The engine captured each graph on a fresh pool stream (55 graphs over 32
+it; and in recent torch (pytorch/pytorch#175276, February 2026) resetting a graph frees its capture
+stream's workspace (``CUDAGraph::reset`` calls ``clearCublasWorkspacesForStream``), even while other live
+graphs captured on that stream still replay into it (pytorch/pytorch#193402). The engine captured each graph on a fresh pool stream (55 graphs over 32
 streams) and the drafter trained on another pool stream, so:
 
 - a rollout graph captured on the drafter's stream replayed into the workspace the drafter's concurrent steps
