@@ -6,8 +6,8 @@ device and priority, so the 33rd stream made is the first one again. cuBLAS keep
 stream); a CUDA graph replays into the workspace of the stream it was *captured* on, whatever stream replays
 it; and in recent torch (pytorch/pytorch#175276, February 2026) resetting a graph frees its capture
 stream's workspace (``CUDAGraph::reset`` calls ``clearCublasWorkspacesForStream``), even while other live
-graphs captured on that stream still replay into it (pytorch/pytorch#193402). The engine captured each graph on a fresh pool stream (55 graphs over 32
-streams) and the drafter trained on another pool stream, so:
+graphs captured on that stream still replay into it (pytorch/pytorch#193402). The engine captured each graph
+on a fresh pool stream (55 graphs over 32 streams) and the drafter trained on another pool stream, so:
 
 - a rollout graph captured on the drafter's stream replayed into the workspace the drafter's concurrent steps
   were writing (two split-K GEMMs on one scratch buffer: wrong numbers, or a kernel that never ends);

@@ -27,6 +27,10 @@ class FakePool:
         return FakeStream(1000 + self.made % self.size)
 
 
+class Owner:
+    """Something a stream is held for (a trainer, a graph group's hold)."""
+
+
 def streams(size: int) -> tuple[ExclusiveStreams, FakePool]:
     pool = FakePool(size)
     return ExclusiveStreams(pool, device_index=lambda device: 0), pool
@@ -55,9 +59,6 @@ def test_a_stream_held_for_an_owner_is_given_back_when_the_owner_goes() -> None:
     exclusive, _ = streams(2)
     cpu = torch.device("cpu")
 
-    class Owner:
-        pass
-
     owner: Any = Owner()
     exclusive.acquire(cpu, "a drafter's side stream", owner=owner)
     exclusive.acquire(cpu, "graphs")
@@ -72,9 +73,6 @@ def test_a_stream_held_for_an_owner_is_given_back_when_the_owner_goes() -> None:
 def test_an_owner_that_goes_after_giving_its_stream_back_leaves_the_next_holder_alone() -> None:
     exclusive, _ = streams(1)
     cpu = torch.device("cpu")
-
-    class Owner:
-        pass
 
     owner: Any = Owner()
     first = exclusive.acquire(cpu, "graphs of an old engine", owner=owner)
