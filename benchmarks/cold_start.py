@@ -199,7 +199,8 @@ def child_flags(args: argparse.Namespace, *, spec: bool) -> list[str]:
     return flags + ([] if spec else ["--no-spec"])
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """This script's flags, checked (``engine.py --parts coldstart`` builds its settings here too)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="0.5b")
     parser.add_argument("--vocab-size", type=int, default=None, help="the b1 configuration's vocabulary")
@@ -225,13 +226,18 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="one more call per process under torch.profiler: its kernels by GPU time (`profile`)")
     add_common_flags(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for flag in ("arms", "warm_arms"):
         unknown = [arm for arm in (getattr(args, flag) or "").split(",") if arm and arm not in ARMS]
         if unknown:
             parser.error(f"--{flag.replace('_', '-')}: unknown {unknown}; allowed: {list(ARMS)}")
     if args.resume is not None and not os.path.isfile(args.resume):
         parser.error(f"--resume: no such file {args.resume!r}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.child:
         print("RESULT " + json.dumps(child_b1(args) if args.b1 else child(args), default=float), flush=True)
         return

@@ -369,11 +369,12 @@ def main() -> None:
     if "coldstart" in parts:  # first: fresh processes, nothing of this one's compiling to lean on
         import cold_start
 
-        cold_args = argparse.Namespace(
-            configs="b1", size=args.size, vocab_size=args.vocab_size, slots=min(128, max(batches)), rows=1,
-            samples=1, threshold=32, new_tokens=1, max_seq_len=args.prompt_len + args.new_tokens, fused=False,
-            smoke=args.smoke,
-        )
+        cold_args = cold_start.parse_args([  # its own parser: every flag it reads, with its defaults
+            "--configs=b1", "--arms=regions", f"--size={args.size}", f"--slots={min(128, max(batches))}", "--rows=1",
+            "--samples=1", "--threshold=32", "--new-tokens=1", f"--max-seq-len={args.prompt_len + args.new_tokens}",
+            *([f"--vocab-size={args.vocab_size}"] if args.vocab_size is not None else []),
+            *(["--smoke"] if args.smoke else []),
+        ])
         result["cold_start"] = cold_start.measure(cold_args)
         dump()
     for batch in batches if "rows" in parts else []:
