@@ -71,11 +71,8 @@ def divergence(ref: RolloutOutput, out: RolloutOutput, keys: list[int]) -> dict[
             continue
         noise = keyed_exponential(torch.tensor([keys[row]]), torch.tensor([t]), NOISE_SAMPLE,
                                   torch.tensor([a[t], b[t]]))[0]
-        e_a, e_b = float(noise[0]), float(noise[1])
-        if min(e_a, e_b) <= 0.0:  # the race's noise underflowed (U rounded to 1): no finite margin
-            margins.append(float("nan"))
-            continue
-        margins.append((ref.logprobs[row][t] - math.log(e_a)) - (out.logprobs[row][t] - math.log(e_b)))
+        margins.append((ref.logprobs[row][t] - math.log(float(noise[0])))
+                       - (out.logprobs[row][t] - math.log(float(noise[1]))))
     rows = len(ref.completion_ids)
     finite = [abs(m) for m in margins if m == m]
     return {

@@ -157,14 +157,23 @@ def keyed_bits(keys: Tensor, positions: Tensor, purpose: int, columns: Tensor | 
     return h
 
 
+UNIFORM_BITS = 23
+"""Bits of `keyed_bits` a uniform draw keeps: ``(b + 0.5) / 2**23`` is exact in float32 for every ``b``, so a draw
+is never 0 nor 1. (With 24 bits the top value ``(2**24 - 0.5) / 2**24`` rounded to 1.0 and its exponential to -0.0:
+over a 151,936-token vocabulary about one position in 80 had such a column, and where its probability was 0 (a
+token the policy never emits, or one top-k or top-p removed) ``0 / -0.0`` is NaN, which ``argmax`` picks. Found
+on an H100 by `benchmarks/reproducible.py`, whose margin at a divergence took the log of that draw.)"""
+
+
 def keyed_uniform(keys: Tensor, positions: Tensor, purpose: int, columns: Tensor | None = None) -> Tensor:
-    """``U(0, 1)`` float32 draws, never 0 nor 1: 24 bits of `keyed_bits`, centred in their interval."""
-    bits = keyed_bits(keys, positions, purpose, columns) >> 8
-    return (bits.float() + 0.5) * (1.0 / (1 << 24))
+    """``U(0, 1)`` float32 draws, never 0 nor 1: the top `UNIFORM_BITS` of `keyed_bits`, centred in their interval."""
+    bits = keyed_bits(keys, positions, purpose, columns) >> (32 - UNIFORM_BITS)
+    return (bits.float() + 0.5) * (1.0 / (1 << UNIFORM_BITS))
 
 
 def keyed_exponential(keys: Tensor, positions: Tensor, purpose: int, columns: Tensor | None = None) -> Tensor:
-    """``Exp(1)`` float32 draws ``-log U`` of `keyed_uniform` (finite and positive)."""
+    """``Exp(1)`` float32 draws ``-log U`` of `keyed_uniform`: finite and positive (at least about 1.2e-7), so a
+    race column of probability 0 never wins."""
     return -torch.log(keyed_uniform(keys, positions, purpose, columns))
 
 

@@ -15,6 +15,7 @@ from lightning_tlt.core.sampling import (
     keyed_uniform,
     row_keys,
     sample_keyed,
+    sample_with_noise,
 )
 
 
@@ -65,6 +66,22 @@ def test_keyed_uniforms_are_uniform_and_uncorrelated() -> None:
         a, b = u.narrow(dim, 0, u.shape[dim] - 1).flatten(), u.narrow(dim, 1, u.shape[dim] - 1).flatten()
         corr = float(torch.corrcoef(torch.stack([a, b]))[0, 1])
         assert abs(corr) < 5 / math.sqrt(a.numel()), (dim, corr)
+
+
+def test_the_top_bit_pattern_draws_below_one_and_loses_a_race_at_probability_zero() -> None:
+    """Row 0 of seed 0 at position 31 draws the top 24-bit pattern at column 47,095 (checked below): the mapping
+    kept 24 bits, that uniform rounded to 1.0, its exponential to -0.0, and a race over a vocabulary where that
+    column has probability 0 picked it (0 / -0.0 is NaN, and ``argmax`` takes NaN as the largest)."""
+    keys, position, column, vocab = torch.tensor(row_keys(0, [[0]])), torch.tensor([31]), 47095, 151936
+    columns = torch.arange(vocab)
+    assert int(keyed_bits(keys, position, NOISE_SAMPLE, columns)[0, column]) >> 8 == 2**24 - 1
+    u = keyed_uniform(keys, position, NOISE_SAMPLE, columns)
+    e = keyed_exponential(keys, position, NOISE_SAMPLE, columns)
+    assert float(u.max()) < 1.0 and float(e.min()) > 0.0 and not bool(torch.signbit(e).any())
+    probs = torch.zeros(1, vocab)
+    probs[0, :1000] = torch.rand(1000, generator=torch.Generator().manual_seed(0)).softmax(-1)  # column 47,095: 0
+    for race in (sample_keyed(probs, keys, position), sample_with_noise(probs, e)):
+        assert int(race) < 1000
 
 
 def test_sample_keyed_draws_from_probs() -> None:
