@@ -149,7 +149,8 @@ def engine_metrics(stats: dict[str, float]) -> dict[str, float]:
     ``spec/fraction`` is the share of decode steps that speculated and ``spec/accept_len`` the
     mean tokens accepted per speculative row-step (the engine's ``spec/acceptance_length``); the
     engine's other ``spec/*`` figures pass through (per-position acceptance rates excepted).
-    ``rollout/compile_s``, ``rollout/capture_s`` and ``rollout/graph_captures``: only in a call that
+    ``rollout/zero_prob_tokens``: sampled tokens of probability 0 (always 0 unless the sampler is broken; the
+    native engine's). ``rollout/compile_s``, ``rollout/capture_s`` and ``rollout/graph_captures``: only in a call that
     compiled a step function or captured a CUDA graph (each is done once, on first use).
     ``rollout/gather_time_s``, ``rollout/gather_mib``, ``rollout/gather_buffer_mib`` and (CUDA)
     ``rollout/gather_peak_mib``: only when a sharded policy was gathered into the engine's copy.
@@ -157,7 +158,8 @@ def engine_metrics(stats: dict[str, float]) -> dict[str, float]:
     m: dict[str, float] = {}
     for key, name in (("tokens_per_s", "rollout/tokens_per_s"), ("wall_time_s", "rollout/time_s"),
                       ("steps", "rollout/steps"), ("tokens_per_s/decode", "rollout/tokens_per_s_decode"),
-                      ("tokens_per_s/speculative", "rollout/tokens_per_s_speculative")):
+                      ("tokens_per_s/speculative", "rollout/tokens_per_s_speculative"),
+                      ("zero_prob_tokens", "rollout/zero_prob_tokens")):
         if key in stats:
             m[name] = float(stats[key])
     if stats.get("compile/captures", 0.0) > 0 or stats.get("compile/compile_s", 0.0) > 0:

@@ -31,6 +31,12 @@ from lightning_tlt.rollout.steps import SamplingKey
 
 Results = dict[int, tuple[list[int], list[float]]]
 
+ZERO_PROBABILITY_LOGPROB = -69.0
+"""An emitted token whose logprob is at or below this (the samplers clamp a probability at 1e-30, log -69.08)
+had probability 0 under the processed distribution: a correct sampler never emits one (a token of
+probability below 1e-30 is as good as never drawn), so each is a sampler defect, counted in
+``stats["zero_prob_tokens"]`` and warned about (the keyed noise's float32 rounding once did it silently)."""
+
 
 @dataclass
 class PendingStep:
@@ -69,6 +75,7 @@ class CallState:
     tokens: int = 0
     last: float = 0.0
     bar: Any = None
+    zero_prob_tokens: int = 0  # emitted tokens of probability 0 (`ZERO_PROBABILITY_LOGPROB`)
 
 
 class DecodeLoop(StepRunner):
@@ -203,7 +210,7 @@ class DecodeLoop(StepRunner):
         self._speculative_steps += 1
         done = [s for s, f in enumerate(st.finished[:n].tolist()) if f]
         if done:
-            self._harvest(done, run.results)
+            self._harvest(done, run)
         dt = time.perf_counter() - t0
         self._account(run, "speculative", emitted, dt, k)
         run.last = time.perf_counter()
@@ -265,7 +272,7 @@ class DecodeLoop(StepRunner):
         ended = [done.snapshot[i] for i in live if flags[i]]
         if ended:
             slot_of = {r.index: s for s, r in enumerate(self._scheduler.active)}
-            self._harvest([slot_of[r.index] for r in ended], run.results)
+            self._harvest([slot_of[r.index] for r in ended], run)
         now = time.perf_counter()
         self._account(run, done.phase, new_tokens, now - run.last, done.k)
         run.last = now
@@ -281,8 +288,9 @@ class DecodeLoop(StepRunner):
         self._emit(StepEvent(run.steps, phase, sched.num_active, sched.num_queued, sched.num_slots, dt,  # type: ignore[arg-type]
                              new_tokens=new_tokens, captured=captured, draft_tokens=k))
 
-    def _harvest(self, done_slots: list[int], results: Results) -> None:
-        """Read finished rows' completions, free their slots and repack the active rows."""
+    def _harvest(self, done_slots: list[int], run: CallState) -> None:
+        """Read finished rows' completions (and count those of probability 0), free their slots and repack
+        the active rows."""
         st, cache, sched = self._state, self._cache, self._scheduler
         assert st is not None and cache is not None
         # slot order: rows read below and requests released are matched index by index
@@ -291,10 +299,13 @@ class DecodeLoop(StepRunner):
         counts = st.num_generated[idx].cpu().tolist()
         longest = max(counts)
         toks = st.out_tokens[idx, :longest].cpu().tolist()
-        lps = st.out_logprobs[idx, :longest].cpu().tolist()
+        logprobs = st.out_logprobs[idx, :longest].cpu()
+        emitted = torch.arange(longest)[None] < torch.tensor(counts)[:, None]
+        run.zero_prob_tokens += int(((logprobs <= ZERO_PROBABILITY_LOGPROB) & emitted).sum())
+        lps = logprobs.tolist()
         finished, moves = sched.release(done_slots)
         for request, c, t, lp in zip(finished, counts, toks, lps):
-            results[request.index] = (t[:c], lp[:c])
+            run.results[request.index] = (t[:c], lp[:c])
         if self._spec_step is not None:
             self._spec_step.finished(finished, self._drafter)
         if moves:
@@ -338,7 +349,16 @@ class DecodeLoop(StepRunner):
             "row_steps": float(run.tokens),
             "wall_time_s": wall,
             "tokens_per_s": generated / wall if wall > 0 else 0.0,
+            "zero_prob_tokens": float(run.zero_prob_tokens),
         }
+        if run.zero_prob_tokens:
+            warnings.warn(
+                f"{run.zero_prob_tokens} of {generated} sampled tokens had probability 0 under the policy's processed "
+                "distribution (logprob <= -69): the sampler is broken, and these rollouts are not samples of the "
+                "policy. Please report it with the engine's settings.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         for phase, seconds in run.timers.phase_s.items():
             stats[f"time_{phase}_s"] = seconds
             stats[f"steps_{phase}"] = float(run.timers.steps[phase])

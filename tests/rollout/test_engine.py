@@ -134,6 +134,25 @@ def test_top_k_and_top_p_respected(tiny_qwen2: PreTrainedModel) -> None:
         assert len(drawn) >= min(2, len(allowed))  # sampling, not argmax
 
 
+def test_a_token_of_probability_zero_is_counted_and_warned(
+    tiny_qwen2: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sampler defect made visible: race noise of -0.0 everywhere (what the keyed noise's float32 rounding drew
+    at one column in 2**24) turns every column of probability 0 into NaN, which ``argmax`` picks."""
+    import lightning_tlt.rollout.steps as steps
+
+    cfg = SamplingConfig(temperature=1.0, top_k=3, max_new_tokens=5, stop_token_ids=[])
+    engine = RolloutEngine(tiny_qwen2, max_seq_len=40, max_batch_size=4)
+    clean = engine.generate(PROMPTS[:2], cfg, num_samples=2, generator=torch.Generator().manual_seed(0))
+    assert clean.stats["zero_prob_tokens"] == 0.0  # top-k leaves most columns at 0: none drawn
+    monkeypatch.setattr(steps, "row_noise", lambda keys, positions, vocab, purpose=0: torch.full(
+        (keys.shape[0], vocab), -0.0))
+    with pytest.warns(RuntimeWarning, match=r"had probability 0 under the policy's processed distribution"):
+        broken = engine.generate(PROMPTS[:2], cfg, num_samples=2, generator=torch.Generator().manual_seed(0))
+    zero = sum(lp <= -69.0 for row in broken.logprobs for lp in row)
+    assert zero > 0 and broken.stats["zero_prob_tokens"] == zero
+
+
 def test_first_token_frequencies_match_processed_distribution(tiny_llama: PreTrainedModel) -> None:
     """Chi-square goodness of fit of 2,000 first tokens against the processed distribution."""
     prompt = [30, 31, 32]
