@@ -11,11 +11,13 @@ on a fresh pool stream (55 graphs over 32 streams) and the drafter trained on an
 
 - a rollout graph captured on the drafter's stream replayed into the workspace the drafter's concurrent steps
   were writing (two split-K GEMMs on one scratch buffer: wrong numbers, or a kernel that never ends);
-- dropping a replaced drafter's graphs freed the workspace of every graph captured on the same pool streams,
-  which then replayed into memory the allocator had handed to something else.
+- with a torch that frees on reset, dropping a replaced drafter's graphs freed the workspace of every graph
+  captured on the same pool streams, which then replayed into memory the allocator had handed to something
+  else. (torch 2.11 on an H100 does not: ``benchmarks/graph_streams.py`` freed 0 bytes on a reset.)
 
 The e2e's TLT arm stalled on the GPU in exactly that shape (one drafter step in flight, the main stream
-waiting), intermittently, across sessions. `ExclusiveStreams` hands each user a pool stream no other user of
+waiting), intermittently, across sessions; with the streams held, its next 60 steps on an H100 (three seeds)
+ran without a stall. `ExclusiveStreams` hands each user a pool stream no other user of
 it holds; `lightning_tlt.rollout.cuda_graphs.CUDAGraphProfileCache` captures each *group* of graphs (what is
 dropped together) on one such stream and always drops a group whole.
 """
