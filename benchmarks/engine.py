@@ -374,6 +374,7 @@ def main() -> None:
             "--samples=1", "--threshold=32", "--new-tokens=1", f"--max-seq-len={args.prompt_len + args.new_tokens}",
             *([f"--vocab-size={args.vocab_size}"] if args.vocab_size is not None else []),
             *(["--smoke"] if args.smoke else []),
+            f"--out={out_path.with_name(out_path.stem + '_cold_start.json')}",  # never over a cold_start.py report
         ])
         result["cold_start"] = cold_start.measure(cold_args)
         dump()

@@ -160,7 +160,7 @@ def keyed_bits(keys: Tensor, positions: Tensor, purpose: int, columns: Tensor | 
 UNIFORM_BITS = 23
 """Bits of `keyed_bits` a uniform draw keeps: ``(b + 0.5) / 2**23`` is exact in float32 for every ``b``, so a draw
 is never 0 nor 1. (With 24 bits the top value ``(2**24 - 0.5) / 2**24`` rounded to 1.0 and its exponential to -0.0:
-over a 151,936-token vocabulary about one position in 80 had such a column, and where its probability was 0 (a
+over a 151,936-token vocabulary about one position in 110 had such a column, and where its probability was 0 (a
 token the policy never emits, or one top-k or top-p removed) ``0 / -0.0`` is NaN, which ``argmax`` picks. Found
 on an H100 by `benchmarks/reproducible.py`, whose margin at a divergence took the log of that draw.)"""
 
@@ -172,9 +172,10 @@ def keyed_uniform(keys: Tensor, positions: Tensor, purpose: int, columns: Tensor
 
 
 def keyed_exponential(keys: Tensor, positions: Tensor, purpose: int, columns: Tensor | None = None) -> Tensor:
-    """``Exp(1)`` float32 draws ``-log U`` of `keyed_uniform`: finite and positive (at least about 1.2e-7), so a
+    """``Exp(1)`` float32 draws ``-log U`` of `keyed_uniform`: finite and positive (at least 2**-24, about 6e-8), so a
     race column of probability 0 never wins."""
-    return -torch.log(keyed_uniform(keys, positions, purpose, columns))
+    # clamped: a draw is below 1 - 2**-24 and its exact log nonzero, but a GPU's approximate log may round it to 0
+    return (-torch.log(keyed_uniform(keys, positions, purpose, columns))).clamp_min(_TINY)
 
 
 def sample_keyed(probs: Tensor, keys: Tensor, positions: Tensor, purpose: int = NOISE_SAMPLE) -> Tensor:

@@ -75,7 +75,6 @@ class CallState:
     tokens: int = 0
     last: float = 0.0
     bar: Any = None
-    zero_prob_tokens: int = 0  # emitted tokens of probability 0 (`ZERO_PROBABILITY_LOGPROB`)
 
 
 class DecodeLoop(StepRunner):
@@ -289,8 +288,7 @@ class DecodeLoop(StepRunner):
                              new_tokens=new_tokens, captured=captured, draft_tokens=k))
 
     def _harvest(self, done_slots: list[int], run: CallState) -> None:
-        """Read finished rows' completions (and count those of probability 0), free their slots and repack
-        the active rows."""
+        """Read finished rows' completions, free their slots and repack the active rows."""
         st, cache, sched = self._state, self._cache, self._scheduler
         assert st is not None and cache is not None
         # slot order: rows read below and requests released are matched index by index
@@ -299,10 +297,7 @@ class DecodeLoop(StepRunner):
         counts = st.num_generated[idx].cpu().tolist()
         longest = max(counts)
         toks = st.out_tokens[idx, :longest].cpu().tolist()
-        logprobs = st.out_logprobs[idx, :longest].cpu()
-        emitted = torch.arange(longest)[None] < torch.tensor(counts)[:, None]
-        run.zero_prob_tokens += int(((logprobs <= ZERO_PROBABILITY_LOGPROB) & emitted).sum())
-        lps = logprobs.tolist()
+        lps = st.out_logprobs[idx, :longest].cpu().tolist()
         finished, moves = sched.release(done_slots)
         for request, c, t, lp in zip(finished, counts, toks, lps):
             run.results[request.index] = (t[:c], lp[:c])
@@ -343,21 +338,22 @@ class DecodeLoop(StepRunner):
         completions = [run.results[r.index][0] for r in requests]
         reasons: list[FinishReason] = ["stop" if c and c[-1] in stops else "length" for c in completions]
         generated = sum(len(c) for c in completions)
+        zero_prob = sum(lp <= ZERO_PROBABILITY_LOGPROB for r in requests for lp in run.results[r.index][1])
         stats: dict[str, float] = {
             "tokens": float(generated),
             "steps": float(run.steps),
             "row_steps": float(run.tokens),
             "wall_time_s": wall,
             "tokens_per_s": generated / wall if wall > 0 else 0.0,
-            "zero_prob_tokens": float(run.zero_prob_tokens),
+            "zero_prob_tokens": float(zero_prob),
         }
-        if run.zero_prob_tokens:
+        if zero_prob:
             warnings.warn(
-                f"{run.zero_prob_tokens} of {generated} sampled tokens had probability 0 under the policy's processed "
+                f"{zero_prob} of {generated} sampled tokens had probability 0 under the policy's processed "
                 "distribution (logprob <= -69): the sampler is broken, and these rollouts are not samples of the "
                 "policy. Please report it with the engine's settings.",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         for phase, seconds in run.timers.phase_s.items():
             stats[f"time_{phase}_s"] = seconds
