@@ -74,6 +74,7 @@ class _Held:
         self.loaded = False
         self.compiled = 0  # versions compiled in this process: the cap (loaded ones a run never uses don't count)
         self.files: dict[int, Path] = {}  # id(version) -> its file, until this process first uses it
+        self.paths: set[Path] = set()  # files loaded or written by this process (`refresh` loads only newer ones)
 
 
 _HELD: dict[Path, _Held] = {}
@@ -82,6 +83,14 @@ _HELD: dict[Path, _Held] = {}
 def reset() -> None:
     """Forget the versions held in this process (the next call loads them from disk, as a new process would)."""
     _HELD.clear()
+
+
+def refresh() -> None:
+    """Look again for stored versions at each function's next miss: another process (a background compile,
+    `lightning_tlt.rollout.background_compile`) may have stored some since this one loaded the folder. The files
+    this process already holds are not loaded twice."""
+    for held in _HELD.values():
+        held.loaded = False
 
 
 def stats() -> dict[str, float]:
@@ -276,6 +285,7 @@ class StoredCompile:
         digest = hashlib.sha256(payload).hexdigest()
         header = {"key": self.key, "sources": sources, "bytes": len(payload), "sha256": digest}
         path = self.folder / f"{digest[:16]}.bin"
+        self._held.paths.add(path)
         try:
             write_framed(path, MAGIC, header, [payload])
         except OSError as err:
@@ -312,6 +322,9 @@ class StoredCompile:
 
         start = time.perf_counter()
         for path in self._files_oldest_first():
+            if path in self._held.paths:
+                continue  # held already (loaded before a `refresh`, or written by this process)
+            self._held.paths.add(path)
             try:
                 payload = self._read(path)
                 # kernels loaded in this process, with no compile-worker pool: loading a version's Triton
@@ -365,5 +378,5 @@ class CompileStore:
         return StoredCompile(fn, directory=self.directory, key=self.key, dynamic=dynamic, dynamic_dims=dynamic_dims)
 
 
-__all__ = ["ENV_VAR", "CompileStore", "DynamicDims", "StoredCompile", "aot_enabled", "reset", "stats",
+__all__ = ["ENV_VAR", "CompileStore", "DynamicDims", "StoredCompile", "aot_enabled", "refresh", "reset", "stats",
            "stats_by_function"]
