@@ -25,7 +25,7 @@ REPORT_EVERY_S = 5.0
 """... and then at most this often, and once at the end of the call."""
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
     """One console line on rank zero, through tqdm so that a progress bar on screen is redrawn below it."""
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
@@ -73,10 +73,10 @@ class CompileTracker:
         first = stats is not None and stats.captures == 0 and spent["captures"] == 0
         if first:  # the engine's very first capture: compiling may take a while, say so before it starts
             where = f"; compile cache {self.cache.path}" if self.cache is not None else ""
-            _say(f"compiling the rollout steps and capturing CUDA graphs ({what} first{where})")
+            say(f"compiling the rollout steps and capturing CUDA graphs ({what} first{where})")
             self._last_said, self._said = now, True
         elif spent["capture_s"] + spent["compile_s"] >= REPORT_AFTER_S and now - self._last_said >= REPORT_EVERY_S:
-            _say(self._line(spent, f"; next: {what}"))
+            say(self._line(spent, f"; next: {what}"))
             self._last_said, self._said = now, True
 
     def end(self, stats: GraphStats | None) -> dict[str, float]:
@@ -85,7 +85,7 @@ class CompileTracker:
         if self.cache is not None and spent["compile_s"] > 0:
             self.cache.save()
         if self.report and self._said:
-            _say(self._line(spent, ""))
+            say(self._line(spent, ""))
         return spent
 
     @staticmethod
@@ -94,4 +94,4 @@ class CompileTracker:
                 f"(compiling {spent['compile_s']:.1f} s){tail}")
 
 
-__all__ = ["CompileTracker"]
+__all__ = ["CompileTracker", "say"]

@@ -8,6 +8,7 @@ harvested and the others repacked; listeners get a `StepEvent` after every step.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections import deque
@@ -18,12 +19,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_tlt.core import stored_compile
+from lightning_tlt.core.runner import unwrap_model
+from lightning_tlt.core.sharding import is_sharded
 from lightning_tlt.core.types import (
     FinishReason,
     RolloutOutput,
     SamplingConfig,
     StepEvent,
 )
+from lightning_tlt.rollout.background_compile import (
+    BackgroundCompile,
+    CompileRecipe,
+    autocast_state,
+    global_state,
+    should_start,
+)
+from lightning_tlt.rollout.compiling import say
 from lightning_tlt.rollout.scheduler import Request, SlotScheduler
 from lightning_tlt.rollout.spec_metrics import SpeculationMetrics
 from lightning_tlt.rollout.step_runner import StepRunner
@@ -110,6 +122,7 @@ class DecodeLoop(StepRunner):
             assert self._gate is not None
             self._gate.reset()
             self._spec_step.begin(self._hf.lm_head)
+            self._start_background(key)
         self._tracker.begin(graphs.stats)
         run.last = time.perf_counter()
         while True:
@@ -143,10 +156,45 @@ class DecodeLoop(StepRunner):
         self._finish_call(run)
         run.compiling = self._tracker.end(graphs.stats)
 
+    def _start_background(self, sampling: SamplingKey) -> None:
+        """At the first speculative engine call on a cold store: the child that compiles speculation
+        (`lightning_tlt.rollout.background_compile`), if ``background_compile`` is on."""
+        if self._background_tried or self._spec_step is None or not self._compiled:
+            return
+        self._background_tried = True
+        if (not should_start(self._background_setting) or self._compile_cache_dir is None
+                or not stored_compile.aot_enabled() or self._spec_step.versions_stored()
+                or (self._copy is not None and is_sharded(unwrap_model(self._model)))
+                or (torch.distributed.is_available() and torch.distributed.is_initialized()
+                    and torch.distributed.get_world_size() > 1)):
+            return  # off, nothing stored between processes, compiled already; sharded or several ranks: not covered
+        hf = self._hf
+        staged = self.staged_drafter
+        recipe = CompileRecipe(
+            model_class=type(hf).__name__, model_config=hf.config.to_dict(),
+            model_dtype=str(next(hf.parameters()).dtype), device=str(self.device),
+            engine={"max_batch_size": self.num_slots, "max_seq_len": self.max_seq_len,
+                    "dtype": str(self.dtype).removeprefix("torch."),
+                    "attention": self._attention_setting, "fuse_projections": bool(self._runner and self._runner.fuse_projections),
+                    "prefill_chunk_tokens": self._prefill_chunk_setting, "compile_cache": str(self._compile_cache_dir)},
+            speculative=dataclasses.asdict(self.speculative),
+            sampling={"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p},
+            staged_drafter=None if staged is None else {
+                "feature_layers": None if staged.feature_layers is None else list(staged.feature_layers),
+                "dtype": str(staged.fc.weight.dtype)},
+            global_state=global_state(), autocast=autocast_state(), rows=max(2, min(4, self.num_slots)),
+        )
+        self._background = BackgroundCompile(recipe, self._compile_cache_dir / "background")
+        if self._tracker.report:
+            say(f"compiling the speculative steps in a background process (log {self._background.log_path}); "
+                "decoding without speculation until they are stored")
+
     def _choose_k(self, n: int) -> int:
         """Draft tokens for the next step over ``n`` rows: 0 (plain) unless the gate is on, then the tuner's."""
         if self._spec_step is None or self._gate is None or self._drafter is None:
             return 0
+        if self._background is not None and not self._background.poll():
+            return 0  # the speculative steps are still compiling in the background: plain decoding meanwhile
         if not self._gate.update(n):
             return 0
         if self._tuner is None:

@@ -99,7 +99,16 @@ class RolloutEngine(DecodeLoop):
             the policy at every ``generate`` (`lightning_tlt.rollout.inference_copy.InferenceCopy`):
             RL with float32 master weights (``bf16-mixed``) then rolls out in bf16. ``None``: the
             policy's own dtype, read in place.
+        background_compile: compile the speculative steps in a child process while the first calls decode
+            without speculation, when the compile cache holds none of them yet
+            (`lightning_tlt.rollout.background_compile`): a cold first RL step costs what speculation off
+            costs. ``None``: on when ``LIGHTNING_TLT_BACKGROUND_COMPILE=1``.
     """
+
+    @property
+    def background_compile_job(self) -> Any:
+        """The child compiling speculation (`BackgroundCompile`), or ``None``: not started (off, warm, eager)."""
+        return self._background
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()

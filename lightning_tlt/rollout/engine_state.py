@@ -33,6 +33,7 @@ from lightning_tlt.core.types import (
 from lightning_tlt.drafters.base import Drafter, capability
 from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.drafters.suffix import SuffixDrafter
+from lightning_tlt.rollout.background_compile import BackgroundCompile
 from lightning_tlt.rollout.compiling import CompileTracker
 from lightning_tlt.rollout.cuda_graphs import CUDAGraphProfileCache, GraphProfile
 from lightning_tlt.rollout.gate import AdaptiveGate
@@ -77,6 +78,7 @@ class EngineState:
         dtype: torch.dtype | str | None = None,
         compile_cache: bool | str | os.PathLike[str] | None = None,
         log_compile: bool = True,
+        background_compile: bool | None = None,
     ) -> None:
         if max_seq_len < 2:
             raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len!r}")
@@ -102,6 +104,11 @@ class EngineState:
         self._compile = compile
         self._compile_cache_dir = resolve_cache_dir(compile_cache)
         self._tracker = CompileTracker(None, report=log_compile)
+        self._background_setting = background_compile
+        self._background: BackgroundCompile | None = None  # the child compiling speculation (`background_compile`)
+        self._background_tried = False
+        self._prefill_chunk_setting = prefill_chunk_tokens
+        self._attention_setting = attention  # as given ("auto" stays "auto": the compiled steps guard on it)
         self._compiled = False  # the steps run compiled (until a compiler failure turns them eager)
         self._captures = 0  # graphs captured so far (a step that captured is not timed for the tuner)
         self._captures_told = 0  # ... as of the last step event (an event whose time held one says so)

@@ -292,6 +292,13 @@ class SpeculativeStep:
         self._k_prev = k
         return self._read_back(st, active, k)
 
+    def versions_stored(self) -> bool:
+        """Whether the compile store holds versions of the verify update already (another process compiled the
+        speculative steps of these shapes): the background compile's test of a cold store."""
+        fn = self._verify_update
+        folder = getattr(fn, "folder", None)
+        return folder is None or (folder.is_dir() and any(folder.glob("*.bin")))
+
     def compile_ahead(
         self, ctx: StepContext, batch: int, k: int, sampling: SamplingKey, drafter: EagleDrafter, kv_len: int | None
     ) -> None:

@@ -1,0 +1,287 @@
+"""Compile the speculative step functions in another process while this one decodes without them.
+
+A compiled engine's first speculative steps compile their functions (the verify forward's query of
+``k + 1`` tokens, the verify update, the EAGLE drafter's catch-up, chain and draft sampling): on an
+H100 the e2e's TLT arm spent 49.5 s of its first RL step compiling them, where speculation off
+compiled 3 s. Stored versions (`lightning_tlt.core.stored_compile`) make every later process load them
+in seconds, but the first process on a machine pays. With ``background_compile`` on, an engine whose
+store holds no speculative versions yet starts a child process at its first ``generate``
+(``python -m lightning_tlt.rollout.background_compile RECIPE``) that builds an engine of the same shapes
+(the policy's architecture with random weights, the same slots, cache length, dtype, attention backend,
+projections, speculative buffers and sampling settings), runs a short speculative ``generate`` (and the
+staged EAGLE drafter's compile ahead), and stores every version it compiles. Meanwhile the engine
+decodes without speculation; when the child has exited it looks again for stored versions
+(`stored_compile.refresh`) and speculation starts, loading what the child stored. A child that fails
+costs nothing but its log (one warning): the engine then compiles in-process, as without it.
+
+Versions are reused across processes only where their guards accept the arguments (the same
+shapes and settings); the recipe carries every setting the engine's compiled functions depend on,
+so the child's versions are the parent's. The child holds its own CUDA context, a copy of the
+policy's weights in their dtype and a KV cache of the same size while it runs.
+
+Opt-in: ``RolloutEngine(background_compile=True)`` or ``LIGHTNING_TLT_BACKGROUND_COMPILE=1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_tlt.core import stored_compile
+from lightning_tlt.core.compile_cache import env_off
+
+ENV_VAR = "LIGHTNING_TLT_BACKGROUND_COMPILE"
+"""``1``, ``true``, ``on`` or ``yes``: engines with ``background_compile=None`` compile speculation in the background."""
+
+PROMPT_PERIOD = (11, 12, 13, 14)
+"""The child's prompts repeat this pattern, so that the suffix drafter finds drafts in them at once."""
+
+
+def env_on() -> bool:
+    """Whether `ENV_VAR` turns background compiling on."""
+    return os.environ.get(ENV_VAR, "").strip().lower() in ("1", "true", "on", "yes")
+
+
+@dataclass
+class CompileRecipe:
+    """What the child needs to compile the parent's speculative versions (JSON in a file)."""
+
+    model_class: str
+    """The HF class of the policy, by name in ``transformers`` (e.g. ``Qwen2ForCausalLM``)."""
+    model_config: dict[str, Any]
+    model_dtype: str
+    """The policy's parameter dtype (the engine keeps a copy in ``engine["dtype"]`` when it differs)."""
+    device: str
+    engine: dict[str, Any]
+    """`RolloutEngine` keyword arguments: the parent's slots, cache length, dtype, attention backend, projections."""
+    speculative: dict[str, Any]
+    """The parent's `SpeculativeConfig` fields."""
+    sampling: dict[str, Any]
+    """The parent's sampling settings (``temperature``, ``top_k``, ``top_p``): constants of the compiled steps."""
+    staged_drafter: dict[str, Any] | None
+    """``{"feature_layers": ..., "dtype": ...}`` of the EAGLE drafter the parent staged, or ``None``."""
+    global_state: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """What Dynamo's guards read of the process's global state in the parent's ``generate`` (`global_state`):
+    threads, TF32, reduced-precision reductions, default dtype, deterministic algorithms, autocast."""
+    autocast: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Device types whose autocast was on in the parent's ``generate``, and its dtype."""
+    prompt_len: int = 16
+    rows: int = 4
+    max_new_tokens: int = 24
+
+    def write(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dataclasses.asdict(self), indent=1, default=str))
+        return path
+
+    @classmethod
+    def read(cls, path: str | Path) -> CompileRecipe:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+_SCALAR_TYPES = {5: torch.float16, 6: torch.float32, 7: torch.float64, 15: torch.bfloat16}
+"""c10's ScalarType codes of the default dtypes Dynamo's global-state guard records."""
+
+
+def global_state() -> dict[str, Any]:
+    """Dynamo's global-state guard as of now (a compiled version is run only where it holds)."""
+    state: dict[str, Any] = json.loads(str(torch._C._dynamo.guards.GlobalStateGuard().__getstate__()))
+    return state
+
+
+def autocast_state() -> dict[str, str]:
+    """The device types whose autocast is on now, with its dtype."""
+    return {d: str(torch.get_autocast_dtype(d)).removeprefix("torch.") for d in ("cpu", "cuda")
+            if torch.is_autocast_enabled(d)}
+
+
+def _apply_global_state(state: dict[str, Any]) -> None:
+    """Set what can be set of the parent's global state (the rest is checked by `_check_global_state`)."""
+    if "num_threads" in state:
+        torch.set_num_threads(int(state["num_threads"]))
+    if "allow_tf32" in state:
+        torch.backends.cuda.matmul.allow_tf32 = bool(state["allow_tf32"])
+    if state.get("default_dtype") in _SCALAR_TYPES:
+        torch.set_default_dtype(_SCALAR_TYPES[state["default_dtype"]])
+    if "deterministic_algorithms" in state:
+        torch.use_deterministic_algorithms(bool(state["deterministic_algorithms"]),
+                                           warn_only=bool(state.get("deterministic_algorithms_warn_only")))
+
+
+def _check_global_state(wanted: dict[str, Any]) -> None:
+    """Stop before compiling anything when this process's global state differs from the parent's: its versions
+    would be of no use there."""
+    mine = global_state()
+    differ = sorted(k for k in wanted if mine.get(k) != wanted[k])
+    if differ:
+        raise SystemExit(f"global state differs from the parent's in {differ}: "
+                         f"{ {k: (mine.get(k), wanted[k]) for k in differ} } (this process, the parent)")
+
+
+def _dtype(name: str) -> torch.dtype:
+    value = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return value
+
+
+def run(recipe: CompileRecipe) -> dict[str, Any]:
+    """The child's work: the parent's engine shapes, one speculative ``generate``, every version stored."""
+    start = time.perf_counter()
+    _apply_global_state(recipe.global_state)
+    with contextlib.ExitStack() as stack:  # the parent's autocast; `generate` runs without grad, as it did there
+        for device_type, dtype in recipe.autocast.items():
+            stack.enter_context(torch.autocast(device_type, dtype=_dtype(dtype)))
+        with torch.no_grad():
+            _check_global_state(recipe.global_state)  # first: a child of no use stops before building anything
+        return _compile(recipe, start)
+
+
+def _compile(recipe: CompileRecipe, start: float) -> dict[str, Any]:
+    import transformers
+
+    from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig
+    from lightning_tlt.drafters.eagle import EagleDrafter
+    from lightning_tlt.rollout.engine import RolloutEngine
+
+    device = torch.device(recipe.device)
+    cls = getattr(transformers, recipe.model_class)
+    config = cls.config_class.from_dict(recipe.model_config)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = cls(config).to(_dtype(recipe.model_dtype)).eval()
+    parent = SpeculativeConfig(**{**recipe.speculative, "draft_candidates": tuple(recipe.speculative["draft_candidates"])})
+    longest = parent.num_draft_tokens or max(parent.draft_candidates)
+    # speculating from the second step at the longest draft length: the buffers stay the parent's (their widths
+    # follow the longest draft), and every draft length shares the versions this compiles
+    spec = dataclasses.replace(parent, hysteresis_steps=1, num_draft_tokens=longest)
+    engine = RolloutEngine(model, speculative=spec, use_cuda_graphs=False, compile=True, log_compile=False,
+                           progress=False, background_compile=False, **recipe.engine)
+    if recipe.staged_drafter is not None:
+        engine.stage_drafter(EagleDrafter.from_target(
+            engine.inference_copy.module if engine.inference_copy is not None else model,
+            feature_layers=recipe.staged_drafter.get("feature_layers"),
+            dtype=_dtype(recipe.staged_drafter["dtype"]),
+        ))
+    prompts = [[PROMPT_PERIOD[(i + j) % len(PROMPT_PERIOD)] for j in range(recipe.prompt_len)] for i in range(recipe.rows)]
+    sampling = SamplingConfig(max_new_tokens=recipe.max_new_tokens, stop_token_ids=[], **recipe.sampling)
+    out = engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(0))
+    return {"seconds": time.perf_counter() - start, "spec_steps": out.stats.get("spec/steps", 0.0),
+            "stored_compile": stored_compile.stats(), "by_function": stored_compile.stats_by_function()}
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """End this process when its parent has gone (a killed run leaves no compile running on its GPU)."""
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(3)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        raise SystemExit("usage: python -m lightning_tlt.rollout.background_compile RECIPE.json PARENT_PID")
+    _exit_with_parent(int(args[1]))
+    print("RESULT " + json.dumps(run(CompileRecipe.read(args[0])), default=float), flush=True)
+
+
+class BackgroundCompile:
+    """A child process compiling the speculative versions of ``recipe`` (see the module's docstring).
+
+    Args:
+        recipe: what to compile.
+        folder: where the recipe and the child's log are written.
+    """
+
+    def __init__(self, recipe: CompileRecipe, folder: Path) -> None:
+        stamp = f"{os.getpid()}-{time.time_ns()}"
+        self.recipe_path = recipe.write(folder / f"recipe-{stamp}.json")
+        self.log_path = folder / f"log-{stamp}.txt"
+        env = {**os.environ, ENV_VAR: "0"}
+        # half the cores for the child's compile workers: this process keeps decoding meanwhile
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
+        self.started = time.perf_counter()
+        self.seconds: float | None = None
+        """Wall time of the child, once it has exited."""
+        self.ok: bool | None = None
+        """Whether it exited cleanly (``None``: still running)."""
+        with open(self.log_path, "wb") as log:
+            self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
+                [sys.executable, "-m", "lightning_tlt.rollout.background_compile", str(self.recipe_path),
+                 str(os.getpid())],
+                stdout=log, stderr=subprocess.STDOUT, env=env,
+            )
+
+    def poll(self) -> bool:
+        """Whether the child has exited (cheap: one ``waitpid``); the first time it has, the engine's versions
+        are looked up again (`stored_compile.refresh`), and a failure is warned about once."""
+        if self._proc is None:
+            return True
+        code = self._proc.poll()
+        if code is None:
+            return False
+        self._finish(code)
+        return True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the child exits (or ``timeout`` seconds pass); returns `poll`."""
+        if self._proc is not None:
+            try:
+                self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                return False
+        return self.poll()
+
+    def close(self) -> None:
+        """Stop the child if it still runs (nothing it stored is lost: each version's file is written whole)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+            self._finish(None)
+
+    def _finish(self, code: int | None) -> None:
+        self._proc = None
+        self.seconds = time.perf_counter() - self.started
+        self.ok = code == 0
+        stored_compile.refresh()
+        if code not in (0, None):
+            tail = self.log_path.read_text(errors="replace").strip().splitlines()[-3:]
+            warnings.warn(f"the background compile of the speculative steps failed (exit code {code}; log "
+                          f"{self.log_path}: {' | '.join(tail)}); the engine compiles them itself", stacklevel=3)
+
+    def __del__(self) -> None:  # an engine dropped mid-compile leaves no child behind
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def should_start(setting: bool | None) -> bool:
+    """An engine's ``background_compile`` setting resolved: ``None`` follows `ENV_VAR` (off unless set)."""
+    if setting is None:
+        return env_on() and not env_off(stored_compile.ENV_VAR)
+    return setting
+
+
+__all__ = ["ENV_VAR", "BackgroundCompile", "CompileRecipe", "autocast_state", "env_on", "global_state", "main", "run",
+           "should_start"]
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Speculation compiled in a child process: the engine decodes without it meanwhile, then loads what the child stored."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_tlt.core import stored_compile
+from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig
+from lightning_tlt.drafters.eagle import EagleDrafter
+from lightning_tlt.models.zoo import build_model
+from lightning_tlt.rollout.background_compile import BackgroundCompile, CompileRecipe, global_state
+from lightning_tlt.rollout.engine import RolloutEngine
+
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 9, 10, 9, 10]]
+
+
+def test_the_child_compiles_speculation_and_the_engine_loads_it(tmp_path: Path) -> None:
+    model = build_model("qwen2", "tiny", seed=0)
+    spec = SpeculativeConfig(method="suffix", threshold=8, hysteresis_steps=2, verification="coupled")
+    engine = RolloutEngine(model, max_batch_size=8, max_seq_len=96, compile=True, speculative=spec,
+                           compile_cache=tmp_path, background_compile=True, log_compile=False)
+    engine.stage_drafter(EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(1)))
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=24, stop_token_ids=[])
+    first = engine.generate(PROMPTS, cfg, num_samples=2, generator=torch.Generator().manual_seed(0))
+    job = engine.background_compile_job
+    assert job is not None
+    recipe = json.loads(job.recipe_path.read_text())
+    assert recipe["engine"]["max_batch_size"] == 8 and recipe["sampling"]["temperature"] == 1.0
+    assert recipe["staged_drafter"] == {"feature_layers": None, "dtype": "torch.float32"}
+    assert first.stats["spec/steps"] == 0  # the child compiles far more than this call's plain decode: still running
+    assert job.wait(900) and job.ok, job.log_path.read_text()[-2000:]
+    before = stored_compile.stats()
+    second = engine.generate(PROMPTS, cfg, num_samples=2, generator=torch.Generator().manual_seed(0))
+    after = stored_compile.stats()
+    assert second.stats["spec/steps"] > 0
+    assert after["compiled"] == before["compiled"]  # every speculative version loaded from the child's files
+    assert after["loaded"] - before["loaded"] >= 4  # the verify update, catch-up, chain and draft sampling at least
+    # coupled verification: the plain sampler's tokens, whatever was drafted (the loaded versions are right)
+    plain = RolloutEngine(model, max_batch_size=8, max_seq_len=96, compile=False)
+    ref = plain.generate(PROMPTS, cfg, num_samples=2, generator=torch.Generator().manual_seed(0))
+    assert second.completion_ids == ref.completion_ids
+    assert engine.background_compile_job is job and job.poll()  # one child an engine
+
+
+def test_a_warm_store_starts_no_child_and_off_starts_none(tmp_path: Path) -> None:
+    model = build_model("qwen2", "tiny", seed=0)
+    spec = SpeculativeConfig(method="suffix", threshold=8, hysteresis_steps=2)
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=4, stop_token_ids=[])
+    off = RolloutEngine(model, max_batch_size=4, max_seq_len=32, compile=False, speculative=spec,
+                        compile_cache=tmp_path, background_compile=True)
+    off.generate(PROMPTS, cfg)
+    assert off.background_compile_job is None  # eager: nothing to compile
+    unset = RolloutEngine(model, max_batch_size=4, max_seq_len=32, compile=True, speculative=spec,
+                          compile_cache=False, background_compile=True)
+    unset.generate(PROMPTS, cfg)
+    assert unset.background_compile_job is None  # no compile cache: nothing a child could hand over
+
+
+def test_a_child_that_fails_is_one_warning_and_the_engine_compiles_itself(tmp_path: Path) -> None:
+    with torch.no_grad():  # as the engine records it, inside ``generate``
+        state = global_state()
+    recipe = CompileRecipe(model_class="NoSuchModelForCausalLM", model_config={}, model_dtype="float32", device="cpu",
+                           engine={}, speculative={}, sampling={}, staged_drafter=None, global_state=state)
+    job = BackgroundCompile(recipe, tmp_path)
+    with pytest.warns(UserWarning, match=r"background compile of the speculative steps failed \(exit code 1; log "):
+        assert job.wait(300)
+    assert job.ok is False and "NoSuchModelForCausalLM" in job.log_path.read_text()
+
+
+def test_a_child_whose_global_state_differs_stops_before_compiling(tmp_path: Path) -> None:
+    with torch.no_grad():
+        state = {**global_state(), "torch_function_all_disabled": True}  # a state the child cannot take on
+    recipe = CompileRecipe(model_class="Qwen2ForCausalLM", model_config={}, model_dtype="float32", device="cpu",
+                           engine={}, speculative={}, sampling={}, staged_drafter=None, global_state=state)
+    job = BackgroundCompile(recipe, tmp_path)
+    with pytest.warns(UserWarning, match="failed"):
+        assert job.wait(300)
+    assert "global state differs from the parent's in ['torch_function_all_disabled']" in job.log_path.read_text()
