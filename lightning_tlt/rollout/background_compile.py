@@ -45,6 +45,9 @@ from lightning_tlt.core.compile_cache import env_off
 ENV_VAR = "LIGHTNING_TLT_BACKGROUND_COMPILE"
 """``1``, ``true``, ``on`` or ``yes``: engines with ``background_compile=None`` compile speculation in the background."""
 
+TIMEOUT_S = 1800.0
+"""A child still compiling after this long is stopped (with a warning) and the engine compiles in-process."""
+
 PROMPT_PERIOD = (11, 12, 13, 14)
 """The child's prompts repeat this pattern, so that the suffix drafter finds drafts in them at once."""
 
@@ -62,7 +65,7 @@ class CompileRecipe:
     """The HF class of the policy, by name in ``transformers`` (e.g. ``Qwen2ForCausalLM``)."""
     model_config: dict[str, Any]
     model_dtype: str
-    """The policy's parameter dtype (the engine keeps a copy in ``engine["dtype"]`` when it differs)."""
+    """The dtype of the weights the engine decodes from (the policy's, or its copy's in the engine's dtype)."""
     device: str
     engine: dict[str, Any]
     """`RolloutEngine` keyword arguments: the parent's slots, cache length, dtype, attention backend, projections."""
@@ -77,6 +80,8 @@ class CompileRecipe:
     threads, TF32, reduced-precision reductions, default dtype, deterministic algorithms, autocast."""
     autocast: dict[str, str] = dataclasses.field(default_factory=dict)
     """Device types whose autocast was on in the parent's ``generate``, and its dtype."""
+    requires_grad: bool = True
+    """Whether the decoded weights require grad (a copy's do not): the compiled forward guards on it."""
     prompt_len: int = 16
     rows: int = 4
     max_new_tokens: int = 24
@@ -160,8 +165,13 @@ def _compile(recipe: CompileRecipe, start: float) -> dict[str, Any]:
     cls = getattr(transformers, recipe.model_class)
     config = cls.config_class.from_dict(recipe.model_config)
     torch.manual_seed(0)
-    with torch.device(device):
-        model = cls(config).to(_dtype(recipe.model_dtype)).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(_dtype(recipe.model_dtype))  # built in its dtype: no float32 model on the way
+    try:
+        with torch.device(device):
+            model = cls(config).eval().requires_grad_(recipe.requires_grad)
+    finally:
+        torch.set_default_dtype(default)  # the parent's (a guard reads it)
     parent = SpeculativeConfig(**{**recipe.speculative, "draft_candidates": tuple(recipe.speculative["draft_candidates"])})
     longest = parent.num_draft_tokens or max(parent.draft_candidates)
     # speculating from the second step at the longest draft length: the buffers stay the parent's (their widths
@@ -236,7 +246,13 @@ class BackgroundCompile:
             return True
         code = self._proc.poll()
         if code is None:
-            return False
+            if time.perf_counter() - self.started < TIMEOUT_S:
+                return False
+            self._proc.kill()
+            self._proc.wait()
+            warnings.warn(f"the background compile of the speculative steps ran past {TIMEOUT_S:.0f} s and was "
+                          f"stopped (log {self.log_path}); the engine compiles them itself", stacklevel=3)
+            code = None
         self._finish(code)
         return True
 
@@ -261,8 +277,14 @@ class BackgroundCompile:
         self.seconds = time.perf_counter() - self.started
         self.ok = code == 0
         stored_compile.refresh()
-        if code not in (0, None):
-            tail = self.log_path.read_text(errors="replace").strip().splitlines()[-3:]
+        if code == 0:  # the recipe and the log of a clean run are of no further use
+            for path in (self.recipe_path, self.log_path):
+                path.unlink(missing_ok=True)
+        elif code is not None:
+            try:
+                tail = self.log_path.read_text(errors="replace").strip().splitlines()[-3:]
+            except OSError as err:
+                tail = [repr(err)]
             warnings.warn(f"the background compile of the speculative steps failed (exit code {code}; log "
                           f"{self.log_path}: {' | '.join(tail)}); the engine compiles them itself", stacklevel=3)
 

@@ -122,7 +122,6 @@ class DecodeLoop(StepRunner):
             assert self._gate is not None
             self._gate.reset()
             self._spec_step.begin(self._hf.lm_head)
-            self._start_background(key)
         self._tracker.begin(graphs.stats)
         run.last = time.perf_counter()
         while True:
@@ -168,11 +167,32 @@ class DecodeLoop(StepRunner):
                 or (torch.distributed.is_available() and torch.distributed.is_initialized()
                     and torch.distributed.get_world_size() > 1)):
             return  # off, nothing stored between processes, compiled already; sharded or several ranks: not covered
+        try:
+            self._background = self._spawn_background(sampling)
+        except Exception as err:  # noqa: BLE001 - the engine compiles in-process, as without the option
+            warnings.warn(f"could not start the background compile of the speculative steps ({err!r}); the engine "
+                          "compiles them itself", stacklevel=2)
+            return
+        if self._background is not None and self._tracker.report:
+            say(f"compiling the speculative steps in a background process (log {self._background.log_path}); "
+                "decoding without speculation until they are stored")
+
+    def _spawn_background(self, sampling: SamplingKey) -> BackgroundCompile | None:
+        """The child, with a recipe of this engine's shapes and settings; ``None`` where it would not fit the GPU."""
         hf = self._hf
         staged = self.staged_drafter
+        if self.device.type == "cuda":  # the child holds the decode weights and a KV cache as large as this one's
+            assert self._cache is not None
+            need = sum(p.numel() * p.element_size() for p in hf.parameters()) + self._cache.nbytes
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if free < 2 * need + (2 << 30):
+                warnings.warn(f"not compiling speculation in the background: the child needs about {need / 2**30:.1f} "
+                              f"GiB and {free / 2**30:.1f} GiB are free", stacklevel=3)
+                return None
         recipe = CompileRecipe(
             model_class=type(hf).__name__, model_config=hf.config.to_dict(),
             model_dtype=str(next(hf.parameters()).dtype), device=str(self.device),
+            requires_grad=any(p.requires_grad for p in hf.parameters()),
             engine={"max_batch_size": self.num_slots, "max_seq_len": self.max_seq_len,
                     "dtype": str(self.dtype).removeprefix("torch."),
                     "attention": self._attention_setting, "fuse_projections": bool(self._runner and self._runner.fuse_projections),
@@ -184,15 +204,15 @@ class DecodeLoop(StepRunner):
                 "dtype": str(staged.fc.weight.dtype)},
             global_state=global_state(), autocast=autocast_state(), rows=max(2, min(4, self.num_slots)),
         )
-        self._background = BackgroundCompile(recipe, self._compile_cache_dir / "background")
-        if self._tracker.report:
-            say(f"compiling the speculative steps in a background process (log {self._background.log_path}); "
-                "decoding without speculation until they are stored")
+        assert self._compile_cache_dir is not None
+        return BackgroundCompile(recipe, self._compile_cache_dir / "background")
 
     def _choose_k(self, n: int) -> int:
         """Draft tokens for the next step over ``n`` rows: 0 (plain) unless the gate is on, then the tuner's."""
         if self._spec_step is None or self._gate is None or self._drafter is None:
             return 0
+        if not self._background_tried and self._compiled:
+            return 0  # the first step is plain: it compiles the plain steps before a background compile may start
         if self._background is not None and not self._background.poll():
             return 0  # the speculative steps are still compiling in the background: plain decoding meanwhile
         if not self._gate.update(n):
@@ -215,6 +235,8 @@ class DecodeLoop(StepRunner):
         run.pending.append(self._flags(active, "decode"))
         if self._spec_step is not None:
             self._spec_step.plain_step()
+            if not self._background_tried:  # after the plain steps' own compile: the child loads, not repeats, it
+                self._start_background(key)
 
     def _launch_speculative(self, run: CallState, key: SamplingKey, n: int, k: int) -> None:
         """An EAGLE step: nothing is read back now (the flags and counts follow one step late)."""
