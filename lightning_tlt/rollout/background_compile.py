@@ -6,7 +6,7 @@ H100 the e2e's TLT arm spent 49.5 s of its first RL step compiling them, where s
 compiled 3 s. Stored versions (`lightning_tlt.core.stored_compile`) make every later process load them
 in seconds, but the first process on a machine pays. With ``background_compile`` on, an engine whose
 store holds no speculative versions yet starts a child process at its first ``generate``
-(``python -m lightning_tlt.rollout.background_compile RECIPE``) that builds an engine of the same shapes
+(``python -m lightning_tlt.rollout.background_child RECIPE PARENT_PID``, `lightning_tlt.rollout.background_child`) that builds an engine of the same shapes
 (the policy's architecture with random weights, the same slots, cache length, dtype, attention backend,
 projections, speculative buffers and sampling settings), runs a short speculative ``generate`` (and the
 staged EAGLE drafter's compile ahead), and stores every version it compiles. Meanwhile the engine
@@ -24,13 +24,11 @@ Opt-in: ``RolloutEngine(background_compile=True)`` or ``LIGHTNING_TLT_BACKGROUND
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -112,8 +110,8 @@ def autocast_state() -> dict[str, str]:
             if torch.is_autocast_enabled(d)}
 
 
-def _apply_global_state(state: dict[str, Any]) -> None:
-    """Set what can be set of the parent's global state (the rest is checked by `_check_global_state`)."""
+def apply_global_state(state: dict[str, Any]) -> None:
+    """Set what can be set of the parent's global state (the rest is checked by `check_global_state`)."""
     if "num_threads" in state:
         torch.set_num_threads(int(state["num_threads"]))
     if "allow_tf32" in state:
@@ -125,7 +123,7 @@ def _apply_global_state(state: dict[str, Any]) -> None:
                                            warn_only=bool(state.get("deterministic_algorithms_warn_only")))
 
 
-def _check_global_state(wanted: dict[str, Any]) -> None:
+def check_global_state(wanted: dict[str, Any]) -> None:
     """Stop before compiling anything when this process's global state differs from the parent's: its versions
     would be of no use there."""
     mine = global_state()
@@ -135,81 +133,11 @@ def _check_global_state(wanted: dict[str, Any]) -> None:
                          f"{ {k: (mine.get(k), wanted[k]) for k in differ} } (this process, the parent)")
 
 
-def _dtype(name: str) -> torch.dtype:
+def dtype_named(name: str) -> torch.dtype:
     value = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(value, torch.dtype):
         raise ValueError(f"not a torch dtype: {name!r}")
     return value
-
-
-def run(recipe: CompileRecipe) -> dict[str, Any]:
-    """The child's work: the parent's engine shapes, one speculative ``generate``, every version stored."""
-    start = time.perf_counter()
-    _apply_global_state(recipe.global_state)
-    with contextlib.ExitStack() as stack:  # the parent's autocast; `generate` runs without grad, as it did there
-        for device_type, dtype in recipe.autocast.items():
-            stack.enter_context(torch.autocast(device_type, dtype=_dtype(dtype)))
-        with torch.no_grad():
-            _check_global_state(recipe.global_state)  # first: a child of no use stops before building anything
-        return _compile(recipe, start)
-
-
-def _compile(recipe: CompileRecipe, start: float) -> dict[str, Any]:
-    import transformers
-
-    from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig
-    from lightning_tlt.drafters.eagle import EagleDrafter
-    from lightning_tlt.rollout.engine import RolloutEngine
-
-    device = torch.device(recipe.device)
-    cls = getattr(transformers, recipe.model_class)
-    config = cls.config_class.from_dict(recipe.model_config)
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(_dtype(recipe.model_dtype))  # built in its dtype: no float32 model on the way
-    try:
-        with torch.device(device):
-            model = cls(config).eval().requires_grad_(recipe.requires_grad)
-    finally:
-        torch.set_default_dtype(default)  # the parent's (a guard reads it)
-    parent = SpeculativeConfig(**{**recipe.speculative, "draft_candidates": tuple(recipe.speculative["draft_candidates"])})
-    longest = parent.num_draft_tokens or max(parent.draft_candidates)
-    # speculating from the second step at the longest draft length: the buffers stay the parent's (their widths
-    # follow the longest draft), and every draft length shares the versions this compiles
-    spec = dataclasses.replace(parent, hysteresis_steps=1, num_draft_tokens=longest)
-    engine = RolloutEngine(model, speculative=spec, use_cuda_graphs=False, compile=True, log_compile=False,
-                           progress=False, background_compile=False, **recipe.engine)
-    if recipe.staged_drafter is not None:
-        engine.stage_drafter(EagleDrafter.from_target(
-            engine.inference_copy.module if engine.inference_copy is not None else model,
-            feature_layers=recipe.staged_drafter.get("feature_layers"),
-            dtype=_dtype(recipe.staged_drafter["dtype"]),
-        ))
-    prompts = [[PROMPT_PERIOD[(i + j) % len(PROMPT_PERIOD)] for j in range(recipe.prompt_len)] for i in range(recipe.rows)]
-    sampling = SamplingConfig(max_new_tokens=recipe.max_new_tokens, stop_token_ids=[], **recipe.sampling)
-    out = engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(0))
-    return {"seconds": time.perf_counter() - start, "spec_steps": out.stats.get("spec/steps", 0.0),
-            "stored_compile": stored_compile.stats(), "by_function": stored_compile.stats_by_function()}
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """End this process when its parent has gone (a killed run leaves no compile running on its GPU)."""
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(3)
-            time.sleep(1.0)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2:
-        raise SystemExit("usage: python -m lightning_tlt.rollout.background_compile RECIPE.json PARENT_PID")
-    _exit_with_parent(int(args[1]))
-    print("RESULT " + json.dumps(run(CompileRecipe.read(args[0])), default=float), flush=True)
 
 
 class BackgroundCompile:
@@ -234,7 +162,7 @@ class BackgroundCompile:
         """Whether it exited cleanly (``None``: still running)."""
         with open(self.log_path, "wb") as log:
             self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
-                [sys.executable, "-m", "lightning_tlt.rollout.background_compile", str(self.recipe_path),
+                [sys.executable, "-m", "lightning_tlt.rollout.background_child", str(self.recipe_path),
                  str(os.getpid())],
                 stdout=log, stderr=subprocess.STDOUT, env=env,
             )
@@ -302,8 +230,5 @@ def should_start(setting: bool | None) -> bool:
     return setting
 
 
-__all__ = ["ENV_VAR", "BackgroundCompile", "CompileRecipe", "autocast_state", "env_on", "global_state", "main", "run",
-           "should_start"]
-
-if __name__ == "__main__":
-    main()
+__all__ = ["ENV_VAR", "BackgroundCompile", "CompileRecipe", "apply_global_state", "autocast_state", "check_global_state",
+           "dtype_named", "env_on", "global_state", "should_start"]

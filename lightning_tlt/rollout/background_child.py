@@ -1,0 +1,105 @@
+"""The background compile's child: ``python -m lightning_tlt.rollout.background_child RECIPE PARENT_PID``.
+
+Builds an engine of the parent's shapes from the recipe, runs one speculative ``generate`` and so stores
+every speculative version (`lightning_tlt.rollout.background_compile` says why and how the parent uses
+them). A module of its own: it imports the engine, which imports the parent's side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from lightning_tlt.core import stored_compile
+from lightning_tlt.rollout.background_compile import (
+    PROMPT_PERIOD,
+    CompileRecipe,
+    apply_global_state,
+    check_global_state,
+    dtype_named,
+)
+
+
+def run(recipe: CompileRecipe) -> dict[str, Any]:
+    """The child's work: the parent's engine shapes, one speculative ``generate``, every version stored."""
+    start = time.perf_counter()
+    apply_global_state(recipe.global_state)
+    with contextlib.ExitStack() as stack:  # the parent's autocast; `generate` runs without grad, as it did there
+        for device_type, dtype in recipe.autocast.items():
+            stack.enter_context(torch.autocast(device_type, dtype=dtype_named(dtype)))
+        with torch.no_grad():
+            check_global_state(recipe.global_state)  # first: a child of no use stops before building anything
+        return _compile(recipe, start)
+
+
+def _compile(recipe: CompileRecipe, start: float) -> dict[str, Any]:
+    import transformers
+
+    from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig
+    from lightning_tlt.drafters.eagle import EagleDrafter
+    from lightning_tlt.rollout.engine import RolloutEngine
+
+    device = torch.device(recipe.device)
+    cls = getattr(transformers, recipe.model_class)
+    config = cls.config_class.from_dict(recipe.model_config)
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype_named(recipe.model_dtype))  # built in its dtype: no float32 model on the way
+    try:
+        with torch.device(device):
+            model = cls(config).eval().requires_grad_(recipe.requires_grad)
+    finally:
+        torch.set_default_dtype(default)  # the parent's (a guard reads it)
+    parent = SpeculativeConfig(**{**recipe.speculative, "draft_candidates": tuple(recipe.speculative["draft_candidates"])})
+    longest = parent.num_draft_tokens or max(parent.draft_candidates)
+    # speculating from the second step at the longest draft length: the buffers stay the parent's (their widths
+    # follow the longest draft), and every draft length shares the versions this compiles
+    spec = dataclasses.replace(parent, hysteresis_steps=1, num_draft_tokens=longest)
+    engine = RolloutEngine(model, speculative=spec, use_cuda_graphs=False, compile=True, log_compile=False,
+                           progress=False, background_compile=False, **recipe.engine)
+    if recipe.staged_drafter is not None:
+        engine.stage_drafter(EagleDrafter.from_target(
+            engine.inference_copy.module if engine.inference_copy is not None else model,
+            feature_layers=recipe.staged_drafter.get("feature_layers"),
+            dtype=dtype_named(recipe.staged_drafter["dtype"]),
+        ))
+    prompts = [[PROMPT_PERIOD[(i + j) % len(PROMPT_PERIOD)] for j in range(recipe.prompt_len)] for i in range(recipe.rows)]
+    sampling = SamplingConfig(max_new_tokens=recipe.max_new_tokens, stop_token_ids=[], **recipe.sampling)
+    out = engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(0))
+    return {"seconds": time.perf_counter() - start, "spec_steps": out.stats.get("spec/steps", 0.0),
+            "stored_compile": stored_compile.stats(), "by_function": stored_compile.stats_by_function()}
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """End this process when its parent has gone (a killed run leaves no compile running on its GPU)."""
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(3)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        raise SystemExit("usage: python -m lightning_tlt.rollout.background_child RECIPE.json PARENT_PID")
+    _exit_with_parent(int(args[1]))
+    print("RESULT " + json.dumps(run(CompileRecipe.read(args[0])), default=float), flush=True)
+
+
+
+__all__ = ["main", "run"]
+
+if __name__ == "__main__":
+    main()
