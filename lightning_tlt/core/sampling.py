@@ -30,6 +30,7 @@ __all__ = [
     "NOISE_ACCEPT",
     "NOISE_DRAFT",
     "NOISE_SAMPLE",
+    "PROB_FLOOR",
     "exponential_noise",
     "keyed_bits",
     "keyed_exponential",
@@ -55,7 +56,9 @@ _MASK32 = 0xFFFFFFFF
 _MUL1, _MUL2 = 0x7FEB352D, 0x2C1B3C6D
 _PURPOSE_SALT = 0x68E31DA4
 
-_TINY = 1e-30  # keeps p / E finite when an Exp(1) draw underflows to 0
+PROB_FLOOR = 1e-30
+"""The samplers' floor on a probability: keeps ``p / E`` finite when an Exp(1) draw underflows to 0, and a
+chosen token's logprob finite (``log(PROB_FLOOR)`` = -69.08 marks a token drawn at probability 0)."""
 
 
 def processed_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
@@ -94,7 +97,7 @@ def exponential_noise(
 ) -> Tensor:
     """``Exp(1)`` draws of ``shape`` in float32, clamped away from 0 (the race's noise)."""
     noise = torch.empty(shape, dtype=torch.float32, device=device).exponential_(generator=generator)
-    return noise.clamp_min_(_TINY)
+    return noise.clamp_min_(PROB_FLOOR)
 
 
 def call_seed(generator: torch.Generator | None) -> int:
@@ -175,7 +178,7 @@ def keyed_exponential(keys: Tensor, positions: Tensor, purpose: int, columns: Te
     """``Exp(1)`` float32 draws ``-log U`` of `keyed_uniform`: finite and positive (at least 2**-24, about 6e-8), so a
     race column of probability 0 never wins."""
     # clamped: a draw is below 1 - 2**-24 and its exact log nonzero, but a GPU's approximate log may round it to 0
-    return (-torch.log(keyed_uniform(keys, positions, purpose, columns))).clamp_min(_TINY)
+    return (-torch.log(keyed_uniform(keys, positions, purpose, columns))).clamp_min(PROB_FLOOR)
 
 
 def sample_keyed(probs: Tensor, keys: Tensor, positions: Tensor, purpose: int = NOISE_SAMPLE) -> Tensor:
@@ -196,4 +199,4 @@ def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
 
 def token_logprobs(probs: Tensor, tokens: Tensor) -> Tensor:
     """``log probs[..., token]`` for each row; ``probs`` ``(..., V)``, ``tokens`` ``(...)``."""
-    return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).clamp_min(_TINY).log()
+    return probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).clamp_min(PROB_FLOOR).log()

@@ -9,6 +9,7 @@ harvested and the others repacked; listeners get a `StepEvent` after every step.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import warnings
 from collections import deque
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from lightning_tlt.core import stored_compile
 from lightning_tlt.core.runner import unwrap_model
+from lightning_tlt.core.sampling import PROB_FLOOR
 from lightning_tlt.core.sharding import is_sharded
 from lightning_tlt.core.types import (
     FinishReason,
@@ -43,8 +45,9 @@ from lightning_tlt.rollout.steps import SamplingKey
 
 Results = dict[int, tuple[list[int], list[float]]]
 
-ZERO_PROBABILITY_LOGPROB = -69.0
-"""An emitted token whose logprob is at or below this (the samplers clamp a probability at 1e-30, log -69.08)
+ZERO_PROBABILITY_LOGPROB = math.log(PROB_FLOOR) + 0.05
+"""An emitted token whose logprob is at or below this (the samplers clamp a probability at ``PROB_FLOOR``; the
+margin absorbs float32's rounding of its log)
 had probability 0 under the processed distribution: a correct sampler never emits one (a token of
 probability below 1e-30 is as good as never drawn), so each is a sampler defect, counted in
 ``stats["zero_prob_tokens"]`` and warned about (the keyed noise's float32 rounding once did it silently)."""
@@ -179,8 +182,8 @@ class DecodeLoop(StepRunner):
 
     def _spawn_background(self, sampling: SamplingKey) -> BackgroundCompile | None:
         """The child, with a recipe of this engine's shapes and settings; ``None`` where it would not fit the GPU."""
-        hf = self._hf
-        staged = self.staged_drafter
+        hf, staged, cache_dir = self._hf, self.staged_drafter, self._compile_cache_dir
+        assert cache_dir is not None  # `_start_background` starts none without one
         if self.device.type == "cuda":  # the child holds the decode weights and a KV cache as large as this one's
             assert self._cache is not None
             need = sum(p.numel() * p.element_size() for p in hf.parameters()) + self._cache.nbytes
@@ -196,7 +199,7 @@ class DecodeLoop(StepRunner):
             engine={"max_batch_size": self.num_slots, "max_seq_len": self.max_seq_len,
                     "dtype": str(self.dtype).removeprefix("torch."),
                     "attention": self._attention_setting, "fuse_projections": bool(self._runner and self._runner.fuse_projections),
-                    "prefill_chunk_tokens": self._prefill_chunk_setting, "compile_cache": str(self._compile_cache_dir)},
+                    "prefill_chunk_tokens": self._prefill_chunk_setting, "compile_cache": str(cache_dir)},
             speculative=dataclasses.asdict(self.speculative),
             sampling={"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p},
             staged_drafter=None if staged is None else {
@@ -204,8 +207,7 @@ class DecodeLoop(StepRunner):
                 "dtype": str(staged.fc.weight.dtype)},
             global_state=global_state(), autocast=autocast_state(), rows=max(2, min(4, self.num_slots)),
         )
-        assert self._compile_cache_dir is not None
-        return BackgroundCompile(recipe, self._compile_cache_dir / "background")
+        return BackgroundCompile(recipe, cache_dir / "background")
 
     def _choose_k(self, n: int) -> int:
         """Draft tokens for the next step over ``n`` rows: 0 (plain) unless the gate is on, then the tuner's."""
@@ -279,7 +281,7 @@ class DecodeLoop(StepRunner):
         self._speculative_steps += 1
         done = [s for s, f in enumerate(st.finished[:n].tolist()) if f]
         if done:
-            self._harvest(done, run)
+            self._harvest(done, run.results)
         dt = time.perf_counter() - t0
         self._account(run, "speculative", emitted, dt, k)
         run.last = time.perf_counter()
@@ -341,7 +343,7 @@ class DecodeLoop(StepRunner):
         ended = [done.snapshot[i] for i in live if flags[i]]
         if ended:
             slot_of = {r.index: s for s, r in enumerate(self._scheduler.active)}
-            self._harvest([slot_of[r.index] for r in ended], run)
+            self._harvest([slot_of[r.index] for r in ended], run.results)
         now = time.perf_counter()
         self._account(run, done.phase, new_tokens, now - run.last, done.k)
         run.last = now
@@ -357,7 +359,7 @@ class DecodeLoop(StepRunner):
         self._emit(StepEvent(run.steps, phase, sched.num_active, sched.num_queued, sched.num_slots, dt,  # type: ignore[arg-type]
                              new_tokens=new_tokens, captured=captured, draft_tokens=k))
 
-    def _harvest(self, done_slots: list[int], run: CallState) -> None:
+    def _harvest(self, done_slots: list[int], results: Results) -> None:
         """Read finished rows' completions, free their slots and repack the active rows."""
         st, cache, sched = self._state, self._cache, self._scheduler
         assert st is not None and cache is not None
@@ -370,7 +372,7 @@ class DecodeLoop(StepRunner):
         lps = st.out_logprobs[idx, :longest].cpu().tolist()
         finished, moves = sched.release(done_slots)
         for request, c, t, lp in zip(finished, counts, toks, lps):
-            run.results[request.index] = (t[:c], lp[:c])
+            results[request.index] = (t[:c], lp[:c])
         if self._spec_step is not None:
             self._spec_step.finished(finished, self._drafter)
         if moves:

@@ -34,6 +34,7 @@ from lightning_tlt.core.runner import FusedProjections, decoder_layer_split, rms
 from lightning_tlt.core.sampling import (
     NOISE_DRAFT,
     NOISE_SAMPLE,
+    PROB_FLOOR,
     keyed_exponential,
     processed_probs,
     sample_with_noise,
@@ -227,7 +228,7 @@ def sample_tokens(logits: Tensor, sampling: SamplingKey, noise: Tensor | None) -
     probs = processed_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
     assert noise is not None
     tokens = sample_with_noise(probs, noise)
-    logp = probs.gather(-1, tokens[:, None]).squeeze(-1).clamp_min(1e-30).log()
+    logp = probs.gather(-1, tokens[:, None]).squeeze(-1).clamp_min(PROB_FLOOR).log()
     return tokens, logp, probs
 
 

@@ -62,6 +62,7 @@ from torch import Tensor
 from lightning_tlt.core.sampling import (
     NOISE_ACCEPT,
     NOISE_SAMPLE,
+    PROB_FLOOR,
     exponential_noise,
     keyed_exponential,
     keyed_uniform,
@@ -257,7 +258,7 @@ def verify_chain(
     emitted = positions.unsqueeze(0) <= num_accepted.unsqueeze(1)  # (B, k+1)
     chosen = torch.cat([draft_tokens, correction.unsqueeze(1)], dim=1)  # (B, k+1), valid ids everywhere
     chosen = torch.where(at_n, correction.unsqueeze(1), chosen)
-    logp = target_probs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).float().clamp_min(1e-30).log()
+    logp = target_probs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1).float().clamp_min(PROB_FLOOR).log()
     tokens = torch.where(emitted, chosen, torch.full_like(chosen, pad_token_id))
     logprobs = torch.where(emitted, logp, torch.zeros_like(logp))
     return VerifyResult(
@@ -309,7 +310,7 @@ def verify_coupled(
     accepted = (draft_tokens == winners[:, :k]) & valid
     num_accepted = accepted.long().cumprod(dim=1).sum(dim=1)  # (B,)
     emitted = positions[None] <= num_accepted[:, None]  # (B, k+1)
-    logp = target_probs.gather(-1, winners.unsqueeze(-1)).squeeze(-1).float().clamp_min(1e-30).log()
+    logp = target_probs.gather(-1, winners.unsqueeze(-1)).squeeze(-1).float().clamp_min(PROB_FLOOR).log()
     return VerifyResult(
         num_accepted=num_accepted,
         tokens=torch.where(emitted, winners, torch.full_like(winners, pad_token_id)),
