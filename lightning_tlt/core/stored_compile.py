@@ -33,6 +33,7 @@ with the compile cache itself (``compile_cache=False``, ``LIGHTNING_TLT_COMPILE_
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import inspect
 import json
@@ -104,6 +105,52 @@ def stats_by_function() -> dict[str, dict[str, float]]:
     """This process's compiles ahead of time by function name: ``compile_s`` (each try, one that fell back
     included) and ``compiled`` (versions): where a cold start's compiling went."""
     return {name: dict(figures) for name, figures in _BY_FUNCTION.items()}
+
+
+def frozen_view(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` as a compiled region should take a trainable module: the same structure over the same storage
+    (an optimizer's in-place step shows through), every parameter a detached alias with no ``.grad`` and
+    ``requires_grad=False``, buffers and plain attributes shared; modules it holds outside its registry (an
+    EAGLE drafter's reference to the policy's embedding and head) viewed alike.
+
+    A version's guards hold its arguments' tensors, and torch (2.11 on the H100) cannot store a version
+    whose guarded parameter has a ``.grad``: "assigned grad expected to be a Tensor or None" when the guards
+    are read back, so a co-trained drafter's regions were compiled again in every process (10 s at the
+    e2e's first speculative step) and never by the background compile. Keep the view while `storage_key`
+    stays the same: a new view object is a new guard input."""
+    return _view(module, {})
+
+
+def _view(module: torch.nn.Module, memo: dict[int, torch.nn.Module]) -> torch.nn.Module:
+    if id(module) in memo:  # a module reached twice (or a cycle) has one view
+        return memo[id(module)]
+    view = memo[id(module)] = copy.copy(module)  # a new instance, its __dict__ a shallow copy
+    view._parameters = {name: None if p is None else torch.nn.Parameter(p.detach(), requires_grad=False)
+                        for name, p in module._parameters.items()}
+    view._buffers = dict(module._buffers)
+    view._modules = {name: None if m is None else _view(m, memo) for name, m in module._modules.items()}
+    for name, value in vars(module).items():
+        if isinstance(value, torch.nn.Module):
+            object.__setattr__(view, name, _view(value, memo))
+    return view
+
+
+def storage_key(module: torch.nn.Module) -> tuple[int, ...]:
+    """Where every parameter a `frozen_view` of ``module`` aliases lives: a view stays valid while this does."""
+    seen: set[int] = set()
+    key: list[int] = []
+
+    def walk(m: torch.nn.Module) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        key.extend(p.data_ptr() for p in m._parameters.values() if p is not None)
+        for child in (*m._modules.values(), *(v for v in vars(m).values() if isinstance(v, torch.nn.Module))):
+            if child is not None:
+                walk(child)
+
+    walk(module)
+    return tuple(key)
 
 
 def aot_enabled() -> bool:
@@ -378,5 +425,5 @@ class CompileStore:
         return StoredCompile(fn, directory=self.directory, key=self.key, dynamic=dynamic, dynamic_dims=dynamic_dims)
 
 
-__all__ = ["ENV_VAR", "CompileStore", "DynamicDims", "StoredCompile", "aot_enabled", "refresh", "reset", "stats",
-           "stats_by_function"]
+__all__ = ["ENV_VAR", "CompileStore", "DynamicDims", "StoredCompile", "aot_enabled", "frozen_view", "refresh", "reset",
+           "stats", "stats_by_function", "storage_key"]

@@ -251,3 +251,50 @@ def test_the_compiled_wrapper_is_made_under_the_flag_that_gives_it_aot_compile(
     after = stored_compile.stats()
     assert after["fell_back"] == before["fell_back"] and after["compiled"] == before["compiled"] + 1
     assert len(_files(tmp_path)) == 1
+
+
+def linear_relu(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A region that takes a trainable module, as the drafter's catch-up and chained rows do."""
+    return layer(x).relu()
+
+
+def test_a_trained_module_is_stored_through_its_frozen_view_and_follows_its_optimizer(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4)
+    layer(torch.randn(3, 4)).sum().backward()  # a co-trained module: its parameters carry a .grad
+    view = stored_compile.frozen_view(layer)
+    assert isinstance(view, torch.nn.Linear) and [n for n, _ in view.named_parameters()] == ["weight", "bias"]
+    for mine, theirs in zip(view.parameters(), layer.parameters(), strict=True):
+        assert mine.data_ptr() == theirs.data_ptr() and not mine.requires_grad and mine.grad is None
+        assert theirs.requires_grad and theirs.grad is not None  # the module itself is untouched
+    x = torch.randn(6, 4)
+    first = CompileStore(tmp_path, {"model": "toy"}).compile(linear_relu, dynamic=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="could not")  # stored ("could not store" with the module itself)
+        torch.testing.assert_close(first(view, x), linear_relu(layer, x).detach())
+    assert len(list((tmp_path / "aot").glob("linear_relu-*/*.bin"))) == 1
+    torch.optim.SGD(layer.parameters(), lr=0.5).step()  # in place: the view sees the new weights
+    stored_compile.reset()  # as a new process
+    before = dict(stored_compile.stats())
+    second, traces = CompileStore(tmp_path, {"model": "toy"}).compile(linear_relu, dynamic=True), _traces()
+    torch.testing.assert_close(second(view, x), linear_relu(layer, x).detach())
+    after = stored_compile.stats()
+    assert after["loaded"] == before["loaded"] + 1 and after["compiled"] == before["compiled"] and _traces() == traces
+
+
+def test_a_frozen_view_reaches_modules_held_outside_the_registry_and_names_their_storage() -> None:
+    # an EAGLE drafter holds the policy's embedding and head by reference, outside its registry
+    shared = torch.nn.Embedding(10, 4)
+    shared.weight.grad = torch.ones_like(shared.weight)
+    layer = torch.nn.Linear(4, 4)
+    object.__setattr__(layer, "_embed", shared)
+    object.__setattr__(shared, "_owner", layer)  # a cycle: one view each
+    view = stored_compile.frozen_view(layer)
+    held = view._embed  # type: ignore[attr-defined]
+    assert held is not shared and held.weight.grad is None and not held.weight.requires_grad
+    assert held.weight.data_ptr() == shared.weight.data_ptr() and held._owner is view
+    assert [n for n, _ in view.named_parameters()] == ["weight", "bias"]  # the registry is unchanged
+    key = stored_compile.storage_key(layer)
+    assert key == (layer.weight.data_ptr(), layer.bias.data_ptr(), shared.weight.data_ptr())
+    shared.weight.data = shared.weight.data.clone()
+    assert stored_compile.storage_key(layer) != key

@@ -7,6 +7,7 @@ deterministic cost model so that "which arm is faster" is a fact of the test, no
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
@@ -711,3 +712,39 @@ def test_the_tuner_never_scores_a_step_that_captured_a_graph() -> None:
     # the step events whose time held a capture say so (the co-training pacer leaves them out)
     flagged = sum(e.captured for e in events)
     assert 0 < flagged <= captures[0] and not all(e.captured for e in events if e.phase != "done")
+
+
+@pytest.mark.skipif(not stored_compile.aot_enabled(), reason="torch without aot_compile")
+def test_a_co_trained_drafters_regions_are_stored_through_one_view(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
+    # the H100's e2e (torch 2.11): "could not store a compiled version of catch_up_rows (TypeError('assigned grad
+    # expected to be a Tensor or None ...'))": a co-trained drafter's weights carry a .grad, which a version's
+    # guards cannot hold; every process compiled the catch-up and the chained row again (10 s at the first
+    # speculative step), and the background compile's child never stored them
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
+    model = build_model("qwen2", "tiny", seed=0)
+    config = SpeculativeConfig(method="eagle", threshold=16, hysteresis_steps=1, num_draft_tokens=2)
+    engine = RolloutEngine(model, max_seq_len=64, max_batch_size=4, compile=True, speculative=config,
+                           compile_cache=str(tmp_path))  # fmt: skip
+    engine.allocate_buffers()
+    step, st, cache, drafter = engine.speculative_step, engine.slot_state, engine.kv_cache, engine.drafter
+    assert step is not None and st is not None and cache is not None and drafter is not None
+    for p in drafter.parameters():
+        p.grad = torch.zeros_like(p)
+    step.begin(model.lm_head)
+    st.begin([], 20)
+    st.finished[:] = False
+    st.positions.fill_(10)
+    st.ensure_drafter_cache(drafter.num_kv_heads, drafter.head_dim, cache.max_seq_len, drafter.fc.weight.dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="could not store")
+        with torch.no_grad():
+            for k in (2, 1):
+                step.eagle_step(engine.step_context(), 4, k, 3, SamplingKey(1.0, 0, 1.0), drafter, None)
+    assert step._catch_up_rows.stored and step._chain_row.stored
+    assert (step._catch_up_rows.num_versions, step._chain_row.num_versions) == (1, 1)  # one view, not one a call
+    view = step._frozen(drafter)
+    assert all(not p.requires_grad and p.grad is None for p in view.parameters())
+    drafter.fc.weight.data = drafter.fc.weight.data.clone()  # new storage: a new view that reads it
+    assert step._frozen(drafter) is not view and step._frozen(drafter).fc.weight.data_ptr() == drafter.fc.weight.data_ptr()
