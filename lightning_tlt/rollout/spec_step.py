@@ -127,6 +127,12 @@ class DraftVocabulary:
         self.counts = state_dict["counts"].clone().long()
 
 
+def _draft_rows(feature: Tensor, head: Tensor, bias: Tensor | None, keys: Tensor | None, positions: Tensor,
+                *_: Any) -> dict[int, list[int]]:
+    """`draft_sample`'s dynamic sizes: its rows (feature, keys, positions); the draft vocabulary is static."""
+    return {i: [0] for i, t in ((0, feature), (3, keys), (4, positions)) if t is not None}
+
+
 def eagle_profile(batch: int, k: int, sampling: SamplingKey, drafter_handle: int, kv_len: int | None) -> GraphProfile:
     """The graph key of an EAGLE step: its drafter's handle is part of it (`eagle_handle`)."""
     return GraphProfile("spec", batch, k + 1, (sampling, drafter_handle, kv_len))
@@ -173,7 +179,9 @@ class SpeculativeStep:
             # (the catch-up block and the chained single row are compiled apart: their q differs, and
             # two functions keep two caches, where one function compiled twice would share one)
             self._verify_update = compiler.compile(verify_update, dynamic=True)
-            self._draft_sample = compiler.compile(draft_sample, dynamic=True)
+            # the rows only: with the draft vocabulary symbolic too, Inductor could not split its reduction on
+            # the H100 ("CantSplit: s23 not divisible by s21*s23") and every process compiled it again
+            self._draft_sample = compiler.compile(draft_sample, dynamic_dims=_draft_rows)
             self._catch_up_rows = compiler.compile(catch_up_rows, dynamic=True)
             self._chain_row = compiler.compile(chain_row, dynamic=True)
         self._head: tuple[Tensor, Tensor | None, Tensor | None] | None = None  # (rows, bias, ids)
