@@ -160,6 +160,8 @@ class BackgroundCompile:
         """Wall time of the child, once it has exited."""
         self.ok: bool | None = None
         """Whether it exited cleanly (``None``: still running)."""
+        self.result: dict[str, Any] | None = None
+        """A clean child's report (its ``RESULT`` line: seconds, and what each function compiled and stored)."""
         with open(self.log_path, "wb") as log:
             self._proc: subprocess.Popen[bytes] | None = subprocess.Popen(
                 [sys.executable, "-m", "lightning_tlt.rollout.background_child", str(self.recipe_path),
@@ -205,7 +207,8 @@ class BackgroundCompile:
         self.seconds = time.perf_counter() - self.started
         self.ok = code == 0
         stored_compile.refresh()
-        if code == 0:  # the recipe and the log of a clean run are of no further use
+        if code == 0:  # the recipe and the log of a clean run are of no further use once its report is read
+            self.result = _read_result(self.log_path)
             for path in (self.recipe_path, self.log_path):
                 path.unlink(missing_ok=True)
         elif code is not None:
@@ -216,11 +219,37 @@ class BackgroundCompile:
             warnings.warn(f"the background compile of the speculative steps failed (exit code {code}; log "
                           f"{self.log_path}: {' | '.join(tail)}); the engine compiles them itself", stacklevel=3)
 
+    def summary(self) -> str:
+        """One console line on the finished child: its wall time and what it compiled, function by function."""
+        if not self.ok:
+            return "the background compile did not finish: the engine compiles the speculative steps itself"
+        line = f"the speculative steps were compiled in the background in {self.seconds or 0.0:.1f} s"
+        by_function = (self.result or {}).get("by_function") or {}
+        parts = [f"{name} x{int(f['compiled'])} in {f['compile_s']:.1f} s" for name, f in by_function.items()
+                 if f.get("compiled")]
+        return line + (f" ({', '.join(parts)})" if parts else "") + "; speculating from now on"
+
     def __del__(self) -> None:  # an engine dropped mid-compile leaves no child behind
         try:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+def _read_result(log: Path) -> dict[str, Any] | None:
+    """The child's ``RESULT`` line of ``log``, parsed (``None`` if there is none)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if line.startswith("RESULT "):
+            try:
+                value = json.loads(line[len("RESULT "):])
+            except json.JSONDecodeError:
+                return None
+            return value if isinstance(value, dict) else None
+    return None
 
 
 def should_start(setting: bool | None) -> bool:

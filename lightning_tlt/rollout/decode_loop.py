@@ -215,8 +215,13 @@ class DecodeLoop(StepRunner):
             return 0
         if not self._background_tried and self._compiled:
             return 0  # the first step is plain: it compiles the plain steps before a background compile may start
-        if self._background is not None and not self._background.poll():
+        job = self._background
+        if job is not None and not job.poll():
             return 0  # the speculative steps are still compiling in the background: plain decoding meanwhile
+        if job is not None and not self._background_told:
+            self._background_told = True
+            if self._tracker.report:
+                say(job.summary())
         if not self._gate.update(n):
             return 0
         if self._tuner is None:

@@ -36,6 +36,8 @@ def test_the_child_compiles_speculation_and_the_engine_loads_it(tmp_path: Path) 
     assert first.stats["spec/steps"] == 0  # the child compiles far more than this call's plain decode: still running
     assert job.wait(900) and job.ok
     assert not job.log_path.exists() and not job.recipe_path.exists()  # a clean run leaves nothing behind
+    assert job.result is not None and job.result["by_function"]["verify_update"]["compiled"] >= 1
+    assert "verify_update x" in job.summary() and job.summary().startswith("the speculative steps were compiled")
     before = stored_compile.stats()
     second = engine.generate(PROMPTS, cfg, num_samples=2, generator=torch.Generator().manual_seed(0))
     after = stored_compile.stats()
