@@ -129,10 +129,14 @@ def _view(module: torch.nn.Module, memo: dict[int, torch.nn.Module]) -> torch.nn
                         for name, p in module._parameters.items()}
     view._buffers = dict(module._buffers)
     view._modules = {name: None if m is None else _view(m, memo) for name, m in module._modules.items()}
-    for name, value in vars(module).items():
-        if isinstance(value, torch.nn.Module):
-            object.__setattr__(view, name, _view(value, memo))
+    for name, held in _held_modules(module).items():
+        object.__setattr__(view, name, _view(held, memo))
     return view
+
+
+def _held_modules(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The modules ``module`` holds as plain attributes, outside its registry (by attribute name)."""
+    return {name: value for name, value in vars(module).items() if isinstance(value, torch.nn.Module)}
 
 
 def storage_key(module: torch.nn.Module) -> tuple[int, ...]:
@@ -145,7 +149,7 @@ def storage_key(module: torch.nn.Module) -> tuple[int, ...]:
             return
         seen.add(id(m))
         key.extend(p.data_ptr() for p in m._parameters.values() if p is not None)
-        for child in (*m._modules.values(), *(v for v in vars(m).values() if isinstance(v, torch.nn.Module))):
+        for child in (*m._modules.values(), *_held_modules(m).values()):
             if child is not None:
                 walk(child)
 

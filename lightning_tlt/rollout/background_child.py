@@ -98,7 +98,6 @@ def main(argv: list[str] | None = None) -> None:
     print("RESULT " + json.dumps(run(CompileRecipe.read(args[0])), default=float), flush=True)
 
 
-
 __all__ = ["main", "run"]
 
 if __name__ == "__main__":

@@ -46,10 +46,10 @@ from lightning_tlt.rollout.steps import SamplingKey
 Results = dict[int, tuple[list[int], list[float]]]
 
 ZERO_PROBABILITY_LOGPROB = math.log(PROB_FLOOR) + 0.05
-"""An emitted token whose logprob is at or below this (the samplers clamp a probability at ``PROB_FLOOR``; the
-margin absorbs float32's rounding of its log)
-had probability 0 under the processed distribution: a correct sampler never emits one (a token of
-probability below 1e-30 is as good as never drawn), so each is a sampler defect, counted in
+"""An emitted token whose logprob is at or below this (the samplers clamp a probability at ``PROB_FLOOR``, and
+the margin absorbs float32's rounding of its log) had probability 0 under the processed distribution: a
+correct sampler never emits one (a token of probability below ``PROB_FLOOR`` is as good as never drawn), so
+each is a sampler defect, counted in
 ``stats["zero_prob_tokens"]`` and warned about (the keyed noise's float32 rounding once did it silently)."""
 
 
