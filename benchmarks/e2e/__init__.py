@@ -61,8 +61,8 @@ except ImportError:
 from .arms import StepRecorder, run_lightning, run_trl
 from .main import main
 from .options import E2EOptions, parse_args
-from .report import no_accuracy_loss, recompute, section
+from .report import autocorr_lag, newey_west_stderr, no_accuracy_loss, recompute, section
 from .workload import carry, run_file, stage_dir, workload_key
 
-__all__ = ["E2EOptions", "StepRecorder", "carry", "main", "no_accuracy_loss", "parse_args", "recompute",
-           "run_file", "run_lightning", "run_trl", "section", "stage_dir", "workload_key", "write_results"]
+__all__ = ["E2EOptions", "StepRecorder", "autocorr_lag", "carry", "main", "newey_west_stderr", "no_accuracy_loss",
+           "parse_args", "recompute", "run_file", "run_lightning", "run_trl", "section", "stage_dir", "workload_key", "write_results"]

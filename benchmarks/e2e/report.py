@@ -222,15 +222,43 @@ def ratios(summary: dict[str, Any], pairs: dict[int, tuple[Steps, Steps]], skip:
     }
 
 
-def no_accuracy_loss(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]]) -> dict[str, Any]:
+def autocorr_lag(steps: int) -> int:
+    """The Newey-West lag for series of ``steps`` paired steps: floor(sqrt(steps)), 4 at 20 steps. Wider
+    than Newey-West's own rule (floor(4 (steps / 100)^(2/9)), 2 at 20 steps), which assumes weak
+    correlation: two arms whose policies parted at one step stay apart for many."""
+    return max(1, math.isqrt(steps))
+
+
+def newey_west_stderr(series: list[list[float]], lag: int) -> float:
+    """The standard error of the pooled mean of independent series (one per seed) whose values are
+    correlated within a series up to ``lag`` apart: Bartlett weights, centred on the pooled mean (so the
+    seeds' spread counts too). ``lag`` 0 is the independent steps' standard error (with n for n - 1)."""
+    values = [x for s in series for x in s]
+    mean = statistics.fmean(values)
+    total = 0.0
+    for s in series:
+        e = [x - mean for x in s]
+        for gap in range(min(lag, len(e) - 1) + 1):
+            weight = 1.0 if gap == 0 else 2.0 * (1.0 - gap / (lag + 1))
+            total += weight * sum(e[i] * e[i + gap] for i in range(len(e) - gap))
+    return math.sqrt(max(total, 0.0)) / len(values)
+
+
+def no_accuracy_loss(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]],
+                     autocorrelated: bool = True) -> dict[str, Any]:
     """Correctness of a minus b, step by step on the same seed: mean and standard error over steps and seeds.
 
     Speculation is lossless, so a and b sample from the same distributions; their curves differ by
-    sampling noise only (different random draws). ``verdict``: ``within_2se`` (the mean difference is
-    within two standard errors of zero), ``tlt_higher``, ``tlt_lower`` (a loss), or why it cannot be
-    judged: ``too_few_steps``, ``stopped_early`` (an arm's policy stopped being finite), ``all_zero``.
+    sampling noise only (different random draws, or, under coupled verification, the same draws that a
+    bf16 near-tie parted). ``stderr`` takes the steps as independent; they are not once the two policies
+    have parted (a step's difference carries into the next ones), so ``stderr_autocorr`` is Newey-West's
+    over each seed's series (`newey_west_stderr`, lag ``autocorr_lag``), and the verdict is judged
+    against the wider of the two. ``verdict``: ``within_2se`` (the mean difference is within two standard
+    errors of zero), ``tlt_higher``, ``tlt_lower`` (a loss), or why it cannot be judged:
+    ``too_few_steps``, ``stopped_early`` (an arm's policy stopped being finite), ``all_zero``.
+    ``autocorrelated=False``: the reports before format 4, judged on ``stderr`` alone.
     """
-    diffs: list[float] = []
+    series: list[list[float]] = []
     per_seed = {}
     for a in a_runs:
         b = next((r for r in b_runs if r["seed"] == a["seed"]), None)
@@ -238,7 +266,8 @@ def no_accuracy_loss(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]])
             continue
         d = [x["correctness"] - y["correctness"] for x, y in zip(a["steps"], b["steps"])]
         per_seed[str(a["seed"])] = statistics.fmean(d) if d else math.nan
-        diffs += d
+        series.append(d)
+    diffs = [x for d in series for x in d]
     if len(diffs) < 2:
         return {"n": len(diffs), "verdict": "too_few_steps"}
     failed = [f"{r['name']}/seed{r['seed']}" for r in (*a_runs, *b_runs) if r.get("error")]
@@ -247,8 +276,13 @@ def no_accuracy_loss(a_runs: list[dict[str, Any]], b_runs: list[dict[str, Any]])
     if not any(x["correctness"] for r in (*a_runs, *b_runs) for x in r["steps"]):
         return {"n": len(diffs), "verdict": "all_zero"}  # equal curves of zeros say nothing about accuracy
     mean, se = statistics.fmean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
+    out: dict[str, Any] = {"n": len(diffs), "mean_diff": mean, "stderr": se}
+    if autocorrelated:
+        lag = autocorr_lag(min(len(d) for d in series if d))
+        out |= {"stderr_autocorr": newey_west_stderr(series, lag), "autocorr_lag": lag}
+        se = max(se, out["stderr_autocorr"])
     verdict = "within_2se" if abs(mean) <= 2 * se else "tlt_higher" if mean > 0 else "tlt_lower"
-    return {"n": len(diffs), "mean_diff": mean, "stderr": se, "per_seed_mean_diff": per_seed, "verdict": verdict}
+    return {**out, "per_seed_mean_diff": per_seed, "verdict": verdict}
 
 
 JUDGEMENTS = {
@@ -265,8 +299,10 @@ JUDGEMENTS = {
 # ---------------------------------------------------------------------------------------------- sections
 
 
-def section(runs: list[dict[str, Any]], trl_runs: list[dict[str, Any]], skip: int) -> dict[str, Any]:
-    """A section's computed part from its units: ``summary``, ``ratios``, ``per_seed``, ``no_accuracy_loss``."""
+def section(runs: list[dict[str, Any]], trl_runs: list[dict[str, Any]], skip: int,
+            autocorrelated: bool = True) -> dict[str, Any]:
+    """A section's computed part from its units: ``summary``, ``ratios``, ``per_seed``, ``no_accuracy_loss``
+    (``autocorrelated``: see `no_accuracy_loss`)."""
     cut = paired(runs)
     summary: dict[str, Any] = {}
     for name in ("tlt", "nospec"):
@@ -281,7 +317,7 @@ def section(runs: list[dict[str, Any]], trl_runs: list[dict[str, Any]], skip: in
         "ratios": ratios(summary, pairs, skip),
         "per_seed": {str(seed): a_over_b([pair], skip) for seed, pair in pairs.items()},
         "no_accuracy_loss": no_accuracy_loss([r for r in cut if r["name"] == "tlt"],
-                                             [r for r in cut if r["name"] == "nospec"]),
+                                             [r for r in cut if r["name"] == "nospec"], autocorrelated),
     }
 
 
@@ -293,11 +329,12 @@ FORMAT_3_KEYS = ("steady_compile_s", "compile_s")
 
 def recompute(report: dict[str, Any]) -> dict[str, Any]:
     """A format-2 report's computed keys, recomputed from its units alone (its ``capped`` section too)."""
-    skip = report["args"]["skip"]
-    out = section(report["runs"], report["trl_runs"], skip)
+    skip, autocorrelated = report["args"]["skip"], report.get("format", 1) >= 4
+    out = section(report["runs"], report["trl_runs"], skip, autocorrelated)
     if report.get("capped") is not None:
         capped = report["capped"]
-        out["capped"] = {"max_new": capped["max_new"], **section(capped["runs"], capped["trl_runs"], skip)}
+        out["capped"] = {"max_new": capped["max_new"], **section(capped["runs"], capped["trl_runs"], skip,
+                                                                 autocorrelated)}
     if report.get("format", 1) < 3:
         for part in (out, out.get("capped") or {}):
             for summary in part.get("summary", {}).values():
@@ -347,7 +384,11 @@ def print_table(results: dict[str, Any], title: str = "") -> None:
                  "tlt_over_trl_first_step"):
         print(f"  {name}: {_ci(r.get(name), None)}")
     judged = results["no_accuracy_loss"]
-    extra = f" (a - b = {judged['mean_diff']:+.3f} ± {judged['stderr']:.3f})" if "mean_diff" in judged else ""
+    extra = ""
+    if "mean_diff" in judged:
+        se = max(judged["stderr"], judged.get("stderr_autocorr", 0.0))
+        lag = f", steps correlated up to {judged['autocorr_lag']} apart" if "autocorr_lag" in judged else ""
+        extra = f" (a - b = {judged['mean_diff']:+.3f} ± {se:.3f}{lag})"
     print(f"  {JUDGEMENTS[judged['verdict']]}{extra} over {judged['n']} steps x seeds")
     a = s.get("tlt", {})
     if "drafter_steps_per_rl_step" in a:

@@ -36,9 +36,13 @@ again when a call's budget allows, and replaced only by one with more steps)."""
 TRL_GENERATION = "bfloat16"
 """c's weights, and so its HF ``generate``, in bf16 like a and b's rollouts (runs of float32
 generation, before the report's format 2, are keyed apart and never reused)."""
-FORMAT = 3
+FORMAT = 4
 """The report's format: 2, units with provenance and the report recomputed from them (`report.recompute`);
-3, each run traced afresh (``start``) and the summary's compile seconds (`report.FORMAT_3_KEYS`)."""
+3, each run traced afresh (``start``) and the summary's compile seconds (`report.FORMAT_3_KEYS`); 4, the
+accuracy verdict allows for correlated steps (`report.no_accuracy_loss`)."""
+UNIT_FORMAT = 3
+"""The run units' format, part of their cache key: 3 since each run is traced afresh (the report's format
+4 changed only what is computed from the units, so their cache stands)."""
 WORKLOAD_KEYS = ("arch", "smoke", "sft_steps", "sft_batch", "sft_lr", "sft_max_length", "sft_batch_tokens",
                  "sft_max_time_s")
 
@@ -153,7 +157,7 @@ def stage_dir(args: E2EOptions, policy_dir: Path, stage: str, drafter_args: E2EO
     section's a starts from the main section's drafter)."""
     drafter = _key(f"drafter-{policy_dir.name}", _settings(drafter_args or args, DRAFTER_KEYS))
     trl = {**_settings(args, TRL_KEYS), "generation": TRL_GENERATION}
-    runs = {**_settings(args, RUN_KEYS), "format": FORMAT}  # units of format 2 (with provenance) only
+    runs = {**_settings(args, RUN_KEYS), "format": UNIT_FORMAT}  # units of format 2 (with provenance) only
     key = {"drafter": drafter, "runs": _key(f"runs-{drafter}", runs),
            "trl": _key(f"trl-{policy_dir.name}", trl)}[stage]  # fmt: skip
     path = Path(args.cache_dir).parent / "e2e" / key

@@ -253,6 +253,25 @@ def test_the_accuracy_verdict_refuses_what_cannot_show_a_loss(e2e: ModuleType) -
     assert judge([run("tlt", [0.1] * 4)], [run("nospec", [0.5, 0.5, 0.6, 0.5])])["verdict"] == "tlt_lower"
 
 
+def test_the_accuracy_verdict_allows_for_policies_that_parted_and_stayed_apart(e2e: ModuleType) -> None:
+    def run(name: str, correctness: list[float]) -> dict[str, Any]:
+        return {"name": name, "seed": 0, "steps": [{"correctness": c} for c in correctness]}
+
+    # Newey-West by hand: d = [1, 3, 2], mean 2, residuals [-1, 1, 0]; lag 1 (weight 2 (1 - 1/2) = 1):
+    # (1 + 1 + 0) + 1 x (-1 + 0) = 1, so the standard error is sqrt(1) / 3; lag 0: sqrt(2) / 3
+    assert e2e.newey_west_stderr([[1.0, 3.0, 2.0]], 1) == pytest.approx(1 / 3)
+    assert e2e.newey_west_stderr([[1.0, 3.0, 2.0]], 0) == pytest.approx(math.sqrt(2) / 3)
+    assert [e2e.autocorr_lag(n) for n in (3, 8, 20)] == [1, 2, 4]
+    # one flip at step 16 keeps a 0.05 lower for its last 4 steps: as independent steps, mean -0.01 and
+    # standard error 0.0046 (a "loss"); with lag 4 the residuals (+0.01 x 16, -0.04 x 4) give
+    # 0.008 + 1.6 x 0.0059 + 1.2 x 0.0038 + 0.8 x 0.0017 - 0.4 x 0.0004 = 0.0232, so 0.0076: within 2 SE
+    a, b = run("tlt", [0.2] * 16 + [0.15] * 4), run("nospec", [0.2] * 20)
+    assert e2e.no_accuracy_loss([a], [b], autocorrelated=False)["verdict"] == "tlt_lower"
+    judged = e2e.no_accuracy_loss([a], [b])
+    assert judged["autocorr_lag"] == 4 and judged["stderr_autocorr"] == pytest.approx(math.sqrt(0.0232) / 20)
+    assert judged["stderr"] == pytest.approx(0.00459, abs=1e-5) and judged["verdict"] == "within_2se"
+
+
 def run_in_process(code: str, timeout: float) -> subprocess.CompletedProcess[str]:
     """``code`` in a Python process of its own (a watchdog ends its process), from the repository root."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
