@@ -38,12 +38,13 @@ when its estimated time fits in what is left, and a run ends by the deadline it 
 compiling and capturing included. ``--carry REPORT`` fills a fresh machine's cache with an earlier
 report's units measured with the same settings (marked ``measured: false``, ``carried_from``).
 
-The report (format 2; `report` defines each figure): per configuration the steady step (steps
+The report (format 4; `report` defines each figure): per configuration the steady step (steps
 ``--skip``..N-1) split into rollout (of it: the tail), reward, train and drafter, the first step
 (``step0_s``) and the whole run (``run_s``), lengths and curves; ``ratios`` pooled over the seeds and
 ``per_seed``: ``a_over_b_step``, ``a_over_b_tokens_per_s``, ``a_over_b_run`` with bootstrap 95 %
 intervals, ``tlt_step0_over_nospec_step0``; ``tlt_over_trl_step`` (steady over steady) and
-``tlt_over_trl_first_step``; the "no accuracy loss" verdict. Every run unit carries ``provenance``.
+``tlt_over_trl_first_step``; the "no accuracy loss" verdict (format 4: judged against a standard error that
+allows for correlated steps, `report.no_accuracy_loss`). Every run unit carries ``provenance``.
 
 GPU: ``python -m benchmarks.e2e`` (or ``python benchmarks/e2e.py``), repeated on the still-warm
 machine until the report is whole. CPU smoke check of the whole pipeline, TRL and the cap included
