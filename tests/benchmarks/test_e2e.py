@@ -131,7 +131,7 @@ def test_a_hand_edit_or_a_unit_without_provenance_is_found(e2e: ModuleType, tmp_
     from e2e.report import differences
 
     runs, trl = [_unit("tlt", 0, [10, 4, 2, 2, 3]), _unit("nospec", 0, [5, 4, 4, 5, 4])], [_trl([30.0, 10.0, 12.0])]
-    report = {"format": 3, "args": {"skip": 2}, **e2e.section(runs, trl, 2), "runs": runs, "trl_runs": trl,
+    report = {"format": 4, "args": {"skip": 2}, **e2e.section(runs, trl, 2), "runs": runs, "trl_runs": trl,
               "capped": {"max_new": 1024, **e2e.section(runs[:1], [], 2), "runs": runs[:1], "trl_runs": []}}
     path = tmp_path / "r.json"
     path.write_text(json.dumps(report, default=float))
@@ -332,7 +332,7 @@ def test_the_whole_pipeline_writes_a_report_its_units_give(e2e: ModuleType, tmp_
         assert run.returncode == 0, run.stderr[-3000:]
         print(f"smoke call: {time.perf_counter() - t0:.1f} s")
         report = json.loads(out.read_text())
-        assert report["format"] == 3 and differences(report) == []
+        assert report["format"] == 4 and differences(report) == []
         assert all(unit["start"] == "dynamo_reset" for unit in report["runs"])
         return report
 
