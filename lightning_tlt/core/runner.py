@@ -24,6 +24,7 @@ Conventions:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_tlt.core.attention import ATTENTION_BACKENDS, cached_attention
+from lightning_tlt.core.stored_compile import frozen_view, storage_key
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -348,6 +350,8 @@ class ModelRunner:
         self.attention = attention
         self.fuse_projections = fuse_projections
         self._fused: list[FusedProjections] | None = None
+        self._origin: ModelRunner | None = None  # a `frozen` view's runner (which holds the fused copies)
+        self._view: tuple[tuple[int, ...], ModelRunner] | None = None  # `frozen`'s, by the storage it aliases
         # an HF causal LM, whose submodules (model.layers, lm_head, ...) are reached by name
         self.model: Any = unwrap_model(model)
         config = self.model.config
@@ -386,6 +390,24 @@ class ModelRunner:
     def dtype(self) -> torch.dtype:
         return self.model.model.embed_tokens.weight.dtype
 
+    def frozen(self) -> ModelRunner:
+        """This runner over a `lightning_tlt.core.stored_compile.frozen_view` of its policy: what the engine's
+        compiled steps take, so that the policy's autograd state (``requires_grad``, a ``.grad`` after an
+        optimizer step) neither gives them versions of their own (a policy decoded as it trains against a copy
+        of it: three regions compiled again) nor keeps those versions from being stored. The same view while
+        the policy's storage is the same (an optimizer's in-place steps show through it); the fused weight
+        copies stay this runner's."""
+        if self._origin is not None:
+            return self
+        key = (id(self.model), *storage_key(self.model))
+        if self._view is None or self._view[0] != key:
+            view = copy.copy(self)
+            view.model = frozen_view(self.model)
+            view._rotary = view.model.model.rotary_emb
+            view._origin, view._view = self, None
+            self._view = (key, view)
+        return self._view[1]
+
     def sync_fused(self) -> None:
         """With ``fuse_projections``: build the fused weights, or copy the policy's current ones into them.
 
@@ -393,6 +415,9 @@ class ModelRunner:
         engine calls it at the start of every ``generate`` (the policy may have trained since); an
         eager `forward` builds them on first use.
         """
+        if self._origin is not None:  # a view: the copies are its runner's, of its runner's layers
+            self._origin.sync_fused()
+            return
         if not self.fuse_projections:
             return
         layers = list(self.layers)
@@ -413,24 +438,26 @@ class ModelRunner:
         """
         if not self.fuse_projections or torch.is_grad_enabled():
             return [None] * self.spec.num_layers
-        if self._fused is None:
+        owner = self._origin or self
+        if owner._fused is None:
             capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
             if torch.compiler.is_compiling() or capturing:
                 raise RuntimeError("ModelRunner.sync_fused() must run before a compiled or captured forward")
-            self.sync_fused()
-        assert self._fused is not None
-        return self._fused
+            owner.sync_fused()
+        assert owner._fused is not None
+        return owner._fused
 
     @property
     def fused(self) -> tuple[FusedProjections, ...] | None:
         """The fused weight copies, one per layer (``None`` before `sync_fused` built them, or without
         ``fuse_projections``)."""
-        return None if self._fused is None else tuple(self._fused)
+        fused = (self._origin or self)._fused
+        return None if fused is None else tuple(fused)
 
     @property
     def fused_bytes(self) -> int:
         """Bytes of the fused weight copies (0 without ``fuse_projections``)."""
-        return sum(f.nbytes for f in self._fused or [])
+        return sum(f.nbytes for f in (self._origin or self)._fused or [])
 
     def embed(self, tokens: Tensor) -> Tensor:
         """``(B, q)`` token ids -> ``(B, q, H)`` embeddings (the policy's own table)."""

@@ -162,9 +162,10 @@ class StepRunner(DrafterHosting):
                            self._capture_layers(), self.attention)
 
     def _call_forward(self, tokens: Tensor, positions: Tensor, *args: Any) -> tuple[Tensor, Tensor]:
-        """`policy_step` on the engine's policy (compiled: one version for every batch bucket)."""
+        """`policy_step` on the engine's policy (compiled: one version for every batch bucket, over the policy's
+        `ModelRunner.frozen` view)."""
         assert self._forward is not None and self._runner is not None
-        return self._forward(self._runner, tokens, positions, *args)
+        return self._forward(self._runner.frozen() if self._compiled else self._runner, tokens, positions, *args)
 
     # ------------------------------------------------------------------ steps
     def _decode_step(self, batch: int, sampling: SamplingKey, kv_len: int | None) -> None:
