@@ -25,6 +25,14 @@ larger of the cap and the median of the last 16 loaded observations. A lone paus
 of 105 % it did not: on the H200 a float32 drafter step slowed the decode steps beside it 6x
 (`benchmarks/drafter_step.py`); each such step counted as 105 %, the controller settled at one loaded
 stall step in 21, and the mean slowdown was 24 % against a cap of 5 % (in simulation: 5 % now).
+The rate never falls below ``min_rate``, but the integral does: what one observation would have taken
+the rate below the floor by is owed, and clean steps pay it back before the rate rises again. Without
+it the cap did not hold once one loaded step's penalty passed the floor: on the H100 a decode step beside
+a drafter step took about 5.5x a clean one (the e2e's ``loaded_step_slowdown``, every step of every seed),
+so every loaded observation threw the rate to the floor, whence it climbed back in about 80 clean steps;
+at one loaded step a drafter step the mean was 5.7 % against a cap of 5 %, and at two (a drafter step
+outlasting two short decode steps: plain decoding in the tail) 11.2 % (the e2e measured 6.3 % and 10.5 %;
+in simulation, 5.0 % both with the debt).
 Clean baselines are refreshed by probing: when a bucket's baseline is missing or old, the pacer
 queues nothing until the side stream has drained, and the next step of that bucket is clean.
 
@@ -83,6 +91,7 @@ class StallPacer:
     slowdown: float = 0.0
     """Moving average of the observed relative slowdown of stall steps (0.05: 5 % slower)."""
     _credit: float = 0.0
+    _debt: float = 0.0  # log rate below the floor the controller asked for (paid back before the rate rises)
     _loaded: bool = False  # drafter work may overlap the step the next event reports
     _clean: dict[tuple[str, int, int], float] = field(default_factory=dict)
     _since_clean: dict[tuple[str, int, int], int] = field(default_factory=dict)
@@ -159,7 +168,10 @@ class StallPacer:
             observed = min(observed, (1 + self.max_penalty) * usual)  # one outlier weighs this much
             self.slowdown = (1 - a) * self.slowdown + a * observed
             step = self.gain * (self.max_slowdown - observed) / self.max_slowdown
-            self.rate = min(float(self.max_per_event), max(self.min_rate, self.rate * math.exp(step)))
+            # the integral, below the floor too: what the floor kept the rate from falling by is owed
+            level = math.log(self.rate) - self._debt + step
+            self._debt = max(0.0, math.log(self.min_rate) - level)
+            self.rate = min(float(self.max_per_event), max(self.min_rate, math.exp(level)))
         probing = clean is None or self._since_clean.get(key, 0) >= self.probe_every
         n = 0
         if not probing:
@@ -170,12 +182,13 @@ class StallPacer:
         return n
 
     def state_dict(self) -> dict[str, float]:
-        """The controller's rate and queued credit (a resumed run paces on from where it was)."""
-        return {"rate": self.rate, "credit": self._credit}
+        """The controller's rate, queued credit and debt below its floor (a resumed run paces on from where it was)."""
+        return {"rate": self.rate, "credit": self._credit, "debt": self._debt}
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.rate = float(state["rate"])
         self._credit = float(state["credit"])
+        self._debt = float(state.get("debt", 0.0))  # a checkpoint from before the debt: none owed
 
     def take_window(self) -> dict[str, float]:
         """Since the last call (then reset): ``slowdown``, the mean relative slowdown of the measured
