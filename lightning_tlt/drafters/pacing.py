@@ -32,7 +32,9 @@ a drafter step took about 5.5x a clean one (the e2e's ``loaded_step_slowdown``, 
 so every loaded observation threw the rate to the floor, whence it climbed back in about 80 clean steps;
 at one loaded step a drafter step the mean was 5.7 % against a cap of 5 %, and at two (a drafter step
 outlasting two short decode steps: plain decoding in the tail) 11.2 % (the e2e measured 6.3 % and 10.5 %;
-in simulation, 5.0 % both with the debt).
+in simulation, 5.0 % both with the debt). An outlier on a loaded step (a host pause there) is owed too, up to
+its limit of ``(1 + max_penalty)`` times what loaded steps usually measure: about 20 loaded steps' worth of
+clean steps before the drafter trains again, where the floor used to forget it.
 Clean baselines are refreshed by probing: when a bucket's baseline is missing or old, the pacer
 queues nothing until the side stream has drained, and the next step of that bucket is clean.
 
