@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_tlt.core.attention import ATTENTION_BACKENDS, cached_attention
-from lightning_tlt.core.stored_compile import frozen_view, storage_key
+from lightning_tlt.core.stored_compile import FrozenViewCache
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -351,7 +351,8 @@ class ModelRunner:
         self.fuse_projections = fuse_projections
         self._fused: list[FusedProjections] | None = None
         self._origin: ModelRunner | None = None  # a `frozen` view's runner (which holds the fused copies)
-        self._view: tuple[tuple[int, ...], ModelRunner] | None = None  # `frozen`'s, by the storage it aliases
+        self._views = FrozenViewCache()  # the policy's frozen view, which `frozen`'s runner reads
+        self._view: ModelRunner | None = None  # `frozen`'s
         # an HF causal LM, whose submodules (model.layers, lm_head, ...) are reached by name
         self.model: Any = unwrap_model(model)
         config = self.model.config
@@ -399,14 +400,13 @@ class ModelRunner:
         copies stay this runner's."""
         if self._origin is not None:
             return self
-        key = (id(self.model), *storage_key(self.model))
-        if self._view is None or self._view[0] != key:
+        model: Any = self._views(self.model)
+        if self._view is None or self._view.model is not model:
             view = copy.copy(self)
-            view.model = frozen_view(self.model)
-            view._rotary = view.model.model.rotary_emb
+            view.model, view._rotary = model, model.model.rotary_emb
             view._origin, view._view = self, None
-            self._view = (key, view)
-        return self._view[1]
+            self._view = view
+        return self._view
 
     def sync_fused(self) -> None:
         """With ``fuse_projections``: build the fused weights, or copy the policy's current ones into them.

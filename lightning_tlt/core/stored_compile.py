@@ -157,6 +157,20 @@ def storage_key(module: torch.nn.Module) -> tuple[int, ...]:
     return tuple(key)
 
 
+class FrozenViewCache:
+    """One module's `frozen_view` at a time, kept while the module object and its storage (`storage_key`) stay:
+    a new view object is a new guard input, so a compiled region must be handed the same one call after call."""
+
+    def __init__(self) -> None:
+        self._entry: tuple[tuple[int, ...], torch.nn.Module] | None = None
+
+    def __call__(self, module: torch.nn.Module) -> torch.nn.Module:
+        key = (id(module), *storage_key(module))
+        if self._entry is None or self._entry[0] != key:
+            self._entry = (key, frozen_view(module))
+        return self._entry[1]
+
+
 def aot_enabled() -> bool:
     """Whether versions are compiled ahead of time and stored: torch has the API and `ENV_VAR` allows it."""
     if env_off(ENV_VAR):
@@ -429,5 +443,5 @@ class CompileStore:
         return StoredCompile(fn, directory=self.directory, key=self.key, dynamic=dynamic, dynamic_dims=dynamic_dims)
 
 
-__all__ = ["ENV_VAR", "CompileStore", "DynamicDims", "StoredCompile", "aot_enabled", "frozen_view", "refresh", "reset",
+__all__ = ["ENV_VAR", "CompileStore", "DynamicDims", "FrozenViewCache", "StoredCompile", "aot_enabled", "frozen_view", "refresh", "reset",
            "stats", "stats_by_function", "storage_key"]

@@ -50,7 +50,7 @@ from torch import Tensor
 
 from lightning_tlt.core.kv_cache import KVCache
 from lightning_tlt.core.runner import rope_cos_sin
-from lightning_tlt.core.stored_compile import CompileStore, frozen_view, storage_key
+from lightning_tlt.core.stored_compile import CompileStore, FrozenViewCache
 from lightning_tlt.core.types import SamplingConfig
 from lightning_tlt.drafters.base import Drafter, DraftRow, capability
 from lightning_tlt.drafters.eagle import EagleDrafter
@@ -189,7 +189,7 @@ class SpeculativeStep:
         self._contexts: dict[int, list[int]] = {}  # request index -> prompt + completion (host drafters)
         self._k_prev = 0  # k of the last step, 0 after a plain step (then no catch-up block is current)
         self._call = 0
-        self._view: tuple[tuple[int, ...], EagleDrafter] | None = None  # (drafter's storage key, its frozen view)
+        self._views = FrozenViewCache()  # the drafter's frozen view
 
     def use_eager(self) -> None:
         """Run the step's device functions uncompiled (also the fallback after a compiler failure)."""
@@ -304,10 +304,7 @@ class SpeculativeStep:
     def _frozen(self, drafter: EagleDrafter) -> EagleDrafter:
         """The drafter as its compiled regions take it (`frozen_view`: a co-trained drafter's ``.grad`` kept a
         version from being stored); one view while the drafter object and its weights' storage stay."""
-        key = (id(drafter), *storage_key(drafter))
-        if self._view is None or self._view[0] != key:
-            self._view = (key, cast(EagleDrafter, frozen_view(drafter)))
-        return self._view[1]
+        return cast(EagleDrafter, self._views(drafter))
 
     def versions_stored(self) -> bool:
         """Whether the compile store holds versions of the verify update already (another process compiled the
