@@ -263,17 +263,27 @@ class EagleDrafter(nn.Module):
         for name, tensor in self.state_dict().items():
             tensor.copy_(weights[name])
 
-    def inference_copy(self, dtype: torch.dtype | None = None) -> EagleDrafter:
+    def inference_copy(self, dtype: torch.dtype | None = None, target: nn.Module | None = None) -> EagleDrafter:
         """A frozen (no grad, eval) copy of the drafter's own weights, sharing the same embedding and head.
 
         What an engine drafts with while this one trains (`lightning_tlt.callbacks.drafter_cotrain`).
         ``dtype``: of the copy; ``None`` takes the policy's (the shared embedding's), so a drafter
-        trained with float32 master weights drafts in the policy's bf16.
+        trained with float32 master weights drafts in the policy's bf16. ``target``: the model whose
+        embedding and head the copy shares instead (an engine's: the policy's copy it decodes with), of the
+        same vocabulary and width.
         """
+        embed, head = self._embed_tokens, self._lm_head
+        if target is not None:
+            hf: Any = unwrap_model(target)
+            embed, head = hf.model.embed_tokens, hf.lm_head
+            if embed.weight.shape != self._embed_tokens.weight.shape:
+                raise ValueError(f"target's embedding is {tuple(embed.weight.shape)}, the drafter's policy's "
+                                 f"{tuple(self._embed_tokens.weight.shape)}: a copy shares a model of the same "
+                                 "vocabulary and width")
         copy = EagleDrafter(
             self.config,
-            self._embed_tokens,
-            self._lm_head,
+            embed,
+            head,
             self.inv_freq,
             self.rope_scaling,
             self.feature_layers,
@@ -283,6 +293,11 @@ class EagleDrafter(nn.Module):
         copy.inv_freq = copy.inv_freq.float()
         copy.requires_grad_(False)
         return copy.eval()
+
+    def shares(self, target: nn.Module) -> bool:
+        """Whether this drafter reads ``target``'s own embedding and head (the modules, not equal copies)."""
+        hf: Any = unwrap_model(target)
+        return self._embed_tokens is hf.model.embed_tokens and self._lm_head is hf.lm_head
 
     def __deepcopy__(self, memo: dict[int, object]) -> EagleDrafter:
         # a deep copy must not copy the policy's embedding and head (they are shared, not owned)

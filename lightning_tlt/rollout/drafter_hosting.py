@@ -73,8 +73,8 @@ class DrafterHosting(EngineState):
             return  # nothing speculates, or publishing copies into the current EAGLE drafter in place
         if tuple(drafter.feature_layers or ()) != self._capture_layers():
             return  # an EAGLE-3 drafter needs other feature buffers: its hand-over rebuilds them anyway
-        if any(p.requires_grad for p in drafter.parameters()):
-            drafter = drafter.inference_copy(self.dtype)
+        if self._needs_copy(drafter):
+            drafter = self._frozen_copy(drafter)
         self._handles += 1
         self._staged = (drafter, self._handles)
         self._staged_compiled = False
@@ -110,8 +110,8 @@ class DrafterHosting(EngineState):
             elif staged is not None and staged is not drafter and staged.same_layout(drafter):
                 staged.copy_weights_from(drafter)
                 self.drafter = staged
-            elif any(p.requires_grad for p in drafter.parameters()):
-                self.drafter = drafter.inference_copy(self.dtype)
+            elif self._needs_copy(drafter):
+                self.drafter = self._frozen_copy(drafter)
             else:
                 self.drafter = drafter
         else:
@@ -128,6 +128,20 @@ class DrafterHosting(EngineState):
     def staged_drafter(self) -> EagleDrafter | None:
         """The frozen copy `stage_drafter` holds for a later hand-over (``None``: nothing staged)."""
         return None if self._staged is None else self._staged[0]
+
+    def _needs_copy(self, drafter: EagleDrafter) -> bool:
+        """Whether the engine drafts with a frozen copy of ``drafter`` rather than the object itself: one in
+        training (never held), or one that reads another model's embedding than the one decoded (a co-trained
+        drafter built over the float32 master weights, where the engine decodes a bf16 copy). The copy reads
+        the decoded model's embedding and head: the drafts embed tokens as decoding does, and the compiled
+        drafter steps see the embedding a background compile's child sees (its float32 master's made
+        the parent compile the catch-up and chained row again, 11.7 s on the H100)."""
+        return any(p.requires_grad for p in drafter.parameters()) or (
+            self._runner is not None and not drafter.shares(self._hf))
+
+    def _frozen_copy(self, drafter: EagleDrafter) -> EagleDrafter:
+        """`_needs_copy`'s copy: frozen, in the engine's dtype, over the decoded model's embedding and head."""
+        return drafter.inference_copy(self.dtype, target=self._hf if self._runner is not None else None)
 
     def _drafter_on_device(self) -> bool:
         """Whether the current drafter runs inside the step's graph (an EAGLE drafter), not on the host."""

@@ -748,3 +748,58 @@ def test_a_co_trained_drafters_regions_are_stored_through_one_view(monkeypatch: 
     assert all(not p.requires_grad and p.grad is None for p in view.parameters())
     drafter.fc.weight.data = drafter.fc.weight.data.clone()  # new storage: a new view that reads it
     assert step._frozen(drafter) is not view and step._frozen(drafter).fc.weight.data_ptr() == drafter.fc.weight.data_ptr()
+
+
+def test_a_drafter_over_the_master_weights_drafts_over_the_decoded_copys_embedding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The e2e's co-trained drafter reads the float32 master policy's embedding, while the engine decodes a bf16
+    copy and a background compile's child builds its drafter over a bf16 model. The catch-up and the chained
+    row guard on the embedding's dtype, so the parent compiled both again at its first speculative step (11.7 s
+    on the H100). The engine's frozen copy of a drafter now reads the decoded model's embedding and head: one
+    set of versions serves the parent and the child, and the drafts are the same."""
+    import copy
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
+    master = build_model("qwen2", "tiny", seed=0)  # float32, in training
+    spec = SpeculativeConfig(method="suffix", num_draft_tokens=2, threshold=16, hysteresis_steps=1)  # every step
+    prompts = [[4 + i % 50, 5 + (7 * i) % 60, 6 + i % 3] for i in range(6)]
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=16, stop_token_ids=[])
+
+    def engine_over(model: PreTrainedModel) -> RolloutEngine:
+        return RolloutEngine(model, dtype=torch.bfloat16, max_seq_len=48, max_batch_size=8, speculative=spec,
+                             compile=True, compile_cache=str(tmp_path), log_compile=False)  # fmt: skip
+
+    def catch_up_versions() -> float:
+        by = stored_compile.stats_by_function()
+        return sum(by.get(name, {}).get("compiled", 0.0) for name in ("catch_up_rows", "chain_row"))
+
+    trainee = EagleDrafter.from_target(master, generator=torch.Generator().manual_seed(1))
+    parent = engine_over(master)
+    assert parent.inference_copy is not None
+    decoded = parent.inference_copy.module
+    parent.stage_drafter(trainee)
+    staged = parent.staged_drafter
+    assert staged is not None and staged.shares(decoded) and not staged.shares(master)
+    assert staged.fc.weight.dtype == torch.bfloat16 and torch.equal(staged.fc.weight, trainee.fc.weight.bfloat16())
+    stored_compile.reset()
+    before = catch_up_versions()
+    parent.generate(prompts, cfg, num_samples=2, generator=torch.Generator().manual_seed(0))
+    compiled = catch_up_versions() - before
+    assert compiled >= 2  # the staged drafter's catch-up and chained row, compiled ahead of its hand-over
+    # the child: a bf16 model of the same weights, no copy, its drafter built over it (`background_child`)
+    stored_compile.reset()
+    child_model = copy.deepcopy(decoded).requires_grad_(False)
+    child = engine_over(child_model)
+    assert child.inference_copy is None
+    child.stage_drafter(EagleDrafter.from_target(child_model, generator=torch.Generator().manual_seed(1),
+                                                 dtype=torch.bfloat16))  # fmt: skip
+    child.generate(prompts, cfg, num_samples=2, generator=torch.Generator().manual_seed(0))
+    assert catch_up_versions() - before == compiled  # the parent's versions served the child: nothing compiled
+    # published without staging: the engine's copy reads the decoded embedding too
+    fresh = engine_over(master)
+    assert fresh.set_drafter(trainee) and isinstance(fresh.drafter, EagleDrafter)
+    assert fresh.drafter is not trainee and fresh.drafter.shares(fresh.inference_copy.module)  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match=r"target's embedding is \(\d+, \d+\), the drafter's policy's"):
+        trainee.inference_copy(target=build_model("qwen2", "tiny", seed=0, vocab_size=400))
