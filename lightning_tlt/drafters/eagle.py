@@ -109,6 +109,13 @@ class EagleDecoderLayer(nn.Module):
         self.mlp = _MLP(config.hidden_size, config.intermediate_size)
 
 
+def _embedding_and_head(model: nn.Module) -> tuple[Any, Any]:
+    """An HF causal LM's input embedding and LM head (wrappers unwrapped): what a drafter shares with it
+    (typed loosely, as the drafter holds them)."""
+    hf: Any = unwrap_model(model)
+    return hf.model.embed_tokens, hf.lm_head
+
+
 class EagleDrafter(nn.Module):
     """One-layer EAGLE drafter sharing the policy's embedding and LM head (by reference, detached).
 
@@ -211,8 +218,7 @@ class EagleDrafter(nn.Module):
         rotary = hf.model.rotary_emb
         return cls(
             config,
-            hf.model.embed_tokens,
-            hf.lm_head,
+            *_embedding_and_head(hf),
             rotary.inv_freq,
             float(getattr(rotary, "attention_scaling", 1.0)),
             feature_layers,
@@ -274,8 +280,7 @@ class EagleDrafter(nn.Module):
         """
         embed, head = self._embed_tokens, self._lm_head
         if target is not None:
-            hf: Any = unwrap_model(target)
-            embed, head = hf.model.embed_tokens, hf.lm_head
+            embed, head = _embedding_and_head(target)
             if embed.weight.shape != self._embed_tokens.weight.shape:
                 raise ValueError(f"target's embedding is {tuple(embed.weight.shape)}, the drafter's policy's "
                                  f"{tuple(self._embed_tokens.weight.shape)}: a copy shares a model of the same "
@@ -296,8 +301,8 @@ class EagleDrafter(nn.Module):
 
     def shares(self, target: nn.Module) -> bool:
         """Whether this drafter reads ``target``'s own embedding and head (the modules, not equal copies)."""
-        hf: Any = unwrap_model(target)
-        return self._embed_tokens is hf.model.embed_tokens and self._lm_head is hf.lm_head
+        embed, head = _embedding_and_head(target)
+        return self._embed_tokens is embed and self._lm_head is head
 
     def __deepcopy__(self, memo: dict[int, object]) -> EagleDrafter:
         # a deep copy must not copy the policy's embedding and head (they are shared, not owned)
