@@ -21,6 +21,7 @@ import torch
 from lightning_tlt.core import stored_compile
 from lightning_tlt.rollout.background_compile import (
     PROMPT_PERIOD,
+    SPAWNED_ENV,
     CompileRecipe,
     apply_global_state,
     check_global_state,
@@ -29,15 +30,23 @@ from lightning_tlt.rollout.background_compile import (
 
 
 def run(recipe: CompileRecipe) -> dict[str, Any]:
-    """The child's work: the parent's engine shapes, one speculative ``generate``, every version stored."""
+    """The child's work: the parent's engine shapes, one speculative ``generate``, every version stored.
+
+    Its report holds the wall time of each phase: ``startup_s`` (from the parent's spawn to here: the
+    interpreter, torch and the kit imported; ``None`` when not spawned by `BackgroundCompile`), ``build_s`` (the
+    model and engine), ``generate_s`` (the speculative ``generate``, every compile in it) and ``seconds`` (build
+    and generate).
+    """
     start = time.perf_counter()
+    spawned = os.environ.get(SPAWNED_ENV)
+    startup_s = max(0.0, time.time() - float(spawned)) if spawned else None
     apply_global_state(recipe.global_state)
     with contextlib.ExitStack() as stack:  # the parent's autocast; `generate` runs without grad, as it did there
         for device_type, dtype in recipe.autocast.items():
             stack.enter_context(torch.autocast(device_type, dtype=dtype_named(dtype)))
         with torch.no_grad():
             check_global_state(recipe.global_state)  # first: a child of no use stops before building anything
-        return _compile(recipe, start)
+        return {**_compile(recipe, start), "startup_s": startup_s}
 
 
 def _compile(recipe: CompileRecipe, start: float) -> dict[str, Any]:
@@ -71,10 +80,12 @@ def _compile(recipe: CompileRecipe, start: float) -> dict[str, Any]:
             feature_layers=recipe.staged_drafter.get("feature_layers"),
             dtype=dtype_named(recipe.staged_drafter["dtype"]),
         ))
+    built = time.perf_counter()
     prompts = [[PROMPT_PERIOD[(i + j) % len(PROMPT_PERIOD)] for j in range(recipe.prompt_len)] for i in range(recipe.rows)]
     sampling = SamplingConfig(max_new_tokens=recipe.max_new_tokens, stop_token_ids=[], **recipe.sampling)
     out = engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(0))
-    return {"seconds": time.perf_counter() - start, "spec_steps": out.stats.get("spec/steps", 0.0),
+    end = time.perf_counter()
+    return {"seconds": end - start, "build_s": built - start, "generate_s": end - built, "spec_steps": out.stats.get("spec/steps", 0.0),
             "stored_compile": stored_compile.stats(), "by_function": stored_compile.stats_by_function()}
 
 

@@ -46,6 +46,14 @@ ENV_VAR = "LIGHTNING_TLT_BACKGROUND_COMPILE"
 TIMEOUT_S = 1800.0
 """A child still compiling after this long is stopped (with a warning) and the engine compiles in-process."""
 
+NICENESS = 10
+"""The child's (and its compile workers') CPU priority below this process's: its compile is background work, and the
+decode loop's host thread must not wait on it."""
+
+SPAWNED_ENV = "LIGHTNING_TLT_BACKGROUND_SPAWNED"
+"""Set for the child: the wall-clock time (``time.time()``) it was spawned at, so its report can say how long its
+start (the interpreter, torch and the kit imported) took."""
+
 PROMPT_PERIOD = (11, 12, 13, 14)
 """The child's prompts repeat this pattern, so that the suffix drafter finds drafts in them at once."""
 
@@ -152,7 +160,7 @@ class BackgroundCompile:
         stamp = f"{os.getpid()}-{time.time_ns()}"
         self.recipe_path = recipe.write(folder / f"recipe-{stamp}.json")
         self.log_path = folder / f"log-{stamp}.txt"
-        env = {**os.environ, ENV_VAR: "0"}
+        env = {**os.environ, ENV_VAR: "0", SPAWNED_ENV: f"{time.time():.6f}"}
         # half the cores for the child's compile workers: this process keeps decoding meanwhile
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 2) // 2)))
         self.started = time.perf_counter()
@@ -168,6 +176,8 @@ class BackgroundCompile:
                  str(os.getpid())],
                 stdout=log, stderr=subprocess.STDOUT, env=env,
             )
+        self.niceness = _lower_priority(self._proc.pid)
+        """How far below this process's CPU priority the child runs (0 where the system cannot lower it)."""
 
     def poll(self) -> bool:
         """Whether the child has exited (cheap: one ``waitpid``); the first time it has, the engine's versions
@@ -223,17 +233,32 @@ class BackgroundCompile:
         """One console line on the finished child: its wall time and what it compiled, function by function."""
         if not self.ok:
             return "the background compile did not finish: the engine compiles the speculative steps itself"
+        result = self.result or {}
         line = f"the speculative steps were compiled in the background in {self.seconds or 0.0:.1f} s"
-        by_function = (self.result or {}).get("by_function") or {}
+        phases = [f"{label} {result[key]:.1f} s" for key, label in
+                  (("startup_s", "starting"), ("build_s", "building"), ("generate_s", "generating"))
+                  if isinstance(result.get(key), (int, float))]
+        by_function = result.get("by_function") or {}
         parts = [f"{name} x{int(f['compiled'])} in {f['compile_s']:.1f} s" for name, f in by_function.items()
                  if f.get("compiled")]
-        return line + (f" ({', '.join(parts)})" if parts else "") + "; speculating from now on"
+        detail = "; ".join(x for x in (", ".join(phases), ", ".join(parts)) if x)
+        return line + (f" ({detail})" if detail else "") + "; speculating from now on"
 
     def __del__(self) -> None:  # an engine dropped mid-compile leaves no child behind
         try:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+def _lower_priority(pid: int) -> int:
+    """Lower process ``pid``'s CPU priority by `NICENESS` (its children inherit it); the step taken, 0 if refused."""
+    try:
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        os.setpriority(os.PRIO_PROCESS, pid, min(19, mine + NICENESS))
+        return os.getpriority(os.PRIO_PROCESS, pid) - mine
+    except (AttributeError, OSError):  # not POSIX, or the child has exited already
+        return 0
 
 
 def _read_result(log: Path) -> dict[str, Any] | None:

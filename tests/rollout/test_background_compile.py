@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -34,10 +35,20 @@ def test_the_child_compiles_speculation_and_the_engine_loads_it(tmp_path: Path) 
     assert recipe["staged_drafter"] == {"feature_layers": None, "dtype": "torch.float32"}
     assert recipe["requires_grad"] is False and recipe["model_dtype"] == "torch.float32"
     assert first.stats["spec/steps"] == 0  # the child compiles far more than this call's plain decode: still running
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert job.niceness == min(19, mine + 10) - mine > 0  # background work: below the decoding process
+    if job._proc is not None:  # still running: its priority is the lowered one
+        assert os.getpriority(os.PRIO_PROCESS, job._proc.pid) == mine + job.niceness
     assert job.wait(900) and job.ok
     assert not job.log_path.exists() and not job.recipe_path.exists()  # a clean run leaves nothing behind
     assert job.result is not None and job.result["by_function"]["verify_update"]["compiled"] >= 1
     assert "verify_update x" in job.summary() and job.summary().startswith("the speculative steps were compiled")
+    # where the child's wall time went: its start (spawn to imports done), the build, the speculative generate
+    phases = {k: job.result[k] for k in ("startup_s", "build_s", "generate_s", "seconds")}
+    assert all(v > 0 for v in phases.values()) and phases["startup_s"] < job.seconds, phases
+    assert phases["seconds"] == pytest.approx(phases["build_s"] + phases["generate_s"])
+    assert phases["startup_s"] + phases["seconds"] <= job.seconds + 0.5
+    assert "(starting " in job.summary() and ", generating " in job.summary()
     before = stored_compile.stats()
     second = engine.generate(PROMPTS, cfg, num_samples=2, generator=torch.Generator().manual_seed(0))
     after = stored_compile.stats()
