@@ -403,12 +403,15 @@ def run_lightning(
         recorder.disarm_watchdog()
     total = time.perf_counter() - t0
     graphs = getattr(data.engine, "graph_stats", None)
+    job = getattr(data.engine, "background_compile_job", None)
     run = {
         "name": name,
         "seed": seed,
         "total_s": total,
         "steps": recorder.steps,
         "graph_stats": dict(graphs) if isinstance(graphs, dict) else None,
+        # the child that compiled speculation, if one started (a cold store): its phases and compile seconds
+        "background_compile": None if job is None else job.report(),
         "error": error,
         "start": "dynamo_reset",  # traced afresh (see above); earlier units' runs did not: they shared traces
         "provenance": provenance(args.commit, policy_dir),

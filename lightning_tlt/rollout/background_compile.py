@@ -229,6 +229,19 @@ class BackgroundCompile:
             warnings.warn(f"the background compile of the speculative steps failed (exit code {code}; log "
                           f"{self.log_path}: {' | '.join(tail)}); the engine compiles them itself", stacklevel=3)
 
+    def report(self) -> dict[str, Any]:
+        """The child as data (a benchmark's record): ``finished``, ``ok``, ``seconds`` (its wall time, or so far), its
+        phases (``startup_s``, ``build_s``, ``generate_s``), the seconds its generate spent compiling and loading
+        (``compile_s``, ``load_s``) and ``by_function`` (compiled versions and seconds), the last four once it
+        finished cleanly."""
+        result = self.result or {}
+        stored = result.get("stored_compile") or {}
+        return {"finished": self._proc is None, "ok": self.ok,
+                "seconds": self.seconds if self.seconds is not None else time.perf_counter() - self.started,
+                **{k: result.get(k) for k in ("startup_s", "build_s", "generate_s")},
+                "compile_s": stored.get("compile_s"), "load_s": stored.get("load_s"),
+                "by_function": result.get("by_function")}
+
     def summary(self) -> str:
         """One console line on the finished child: its wall time and what it compiled, function by function."""
         if not self.ok:

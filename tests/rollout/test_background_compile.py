@@ -49,6 +49,10 @@ def test_the_child_compiles_speculation_and_the_engine_loads_it(tmp_path: Path) 
     assert phases["seconds"] == pytest.approx(phases["build_s"] + phases["generate_s"])
     assert phases["startup_s"] + phases["seconds"] <= job.seconds + 0.5
     assert "(starting " in job.summary() and ", generating " in job.summary()
+    report = job.report()  # the same as data, for a benchmark's record
+    assert report["finished"] and report["ok"] and report["seconds"] == job.seconds
+    assert {k: report[k] for k in ("startup_s", "build_s", "generate_s")} == {k: phases[k] for k in ("startup_s", "build_s", "generate_s")}
+    assert report["by_function"]["verify_update"]["compiled"] >= 1 and report["compile_s"] > 0
     before = stored_compile.stats()
     second = engine.generate(PROMPTS, cfg, num_samples=2, generator=torch.Generator().manual_seed(0))
     after = stored_compile.stats()
