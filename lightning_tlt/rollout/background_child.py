@@ -37,6 +37,10 @@ def run(recipe: CompileRecipe) -> dict[str, Any]:
     model and engine), ``generate_s`` (the speculative ``generate``, every compile in it) and ``seconds`` (build
     and generate).
     """
+    import transformers  # noqa: F401 - imported here, not in `_compile`: its seconds are the start's, not the build's
+
+    import lightning_tlt.rollout.engine  # noqa: F401
+
     start = time.perf_counter()
     spawned = os.environ.get(SPAWNED_ENV)
     startup_s = max(0.0, time.time() - float(spawned)) if spawned else None
