@@ -86,9 +86,14 @@ def test_a_child_that_fails_is_one_warning_and_the_engine_compiles_itself(tmp_pa
     recipe = CompileRecipe(model_class="NoSuchModelForCausalLM", model_config={}, model_dtype="float32", device="cpu",
                            engine={}, speculative={}, sampling={}, staged_drafter=None, global_state=state)
     job = BackgroundCompile(recipe, tmp_path)
+    early = job.report()  # still importing torch: a record of a child that has not finished
+    assert early["finished"] is False and early["ok"] is None and early["by_function"] is None
+    assert 0 <= early["seconds"] < 60
     with pytest.warns(UserWarning, match=r"background compile of the speculative steps failed \(exit code 1; log "):
         assert job.wait(300)
     assert job.ok is False and "NoSuchModelForCausalLM" in job.log_path.read_text()
+    late = job.report()
+    assert late["finished"] is True and late["ok"] is False and late["seconds"] == job.seconds and late["compile_s"] is None
 
 
 def test_a_child_whose_global_state_differs_stops_before_compiling(tmp_path: Path) -> None:
