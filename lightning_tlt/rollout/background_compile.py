@@ -246,14 +246,13 @@ class BackgroundCompile:
         """One console line on the finished child: its wall time and what it compiled, function by function."""
         if not self.ok:
             return "the background compile did not finish: the engine compiles the speculative steps itself"
-        result = self.result or {}
-        line = f"the speculative steps were compiled in the background in {self.seconds or 0.0:.1f} s"
-        phases = [f"{label} {result[key]:.1f} s" for key, label in
+        report = self.report()
+        line = f"the speculative steps were compiled in the background in {report['seconds']:.1f} s"
+        phases = [f"{label} {report[key]:.1f} s" for key, label in
                   (("startup_s", "starting"), ("build_s", "building"), ("generate_s", "generating"))
-                  if isinstance(result.get(key), (int, float))]
-        by_function = result.get("by_function") or {}
-        parts = [f"{name} x{int(f['compiled'])} in {f['compile_s']:.1f} s" for name, f in by_function.items()
-                 if f.get("compiled")]
+                  if isinstance(report[key], (int, float))]
+        parts = [f"{name} x{int(f['compiled'])} in {f['compile_s']:.1f} s"
+                 for name, f in (report["by_function"] or {}).items() if f.get("compiled")]
         detail = "; ".join(x for x in (", ".join(phases), ", ".join(parts)) if x)
         return line + (f" ({detail})" if detail else "") + "; speculating from now on"
 

@@ -136,12 +136,16 @@ class DrafterHosting(EngineState):
         the decoded model's embedding and head: the drafts embed tokens as decoding does, and the compiled
         drafter steps see the embedding a background compile's child sees (its float32 master's made
         the parent compile the catch-up and chained row again, 11.7 s on the H100)."""
-        return any(p.requires_grad for p in drafter.parameters()) or (
-            self._runner is not None and not drafter.shares(self._hf))
+        decoded = self._decoded_model()
+        return any(p.requires_grad for p in drafter.parameters()) or (decoded is not None and not drafter.shares(decoded))
 
     def _frozen_copy(self, drafter: EagleDrafter) -> EagleDrafter:
         """`_needs_copy`'s copy: frozen, in the engine's dtype, over the decoded model's embedding and head."""
-        return drafter.inference_copy(self.dtype, target=self._hf if self._runner is not None else None)
+        return drafter.inference_copy(self.dtype, target=self._decoded_model())
+
+    def _decoded_model(self) -> Any:
+        """The HF model the engine's compiled steps decode from, ``None`` for an engine without them."""
+        return self._hf if self._runner is not None else None
 
     def _drafter_on_device(self) -> bool:
         """Whether the current drafter runs inside the step's graph (an EAGLE drafter), not on the host."""
