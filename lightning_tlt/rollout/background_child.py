@@ -14,6 +14,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -78,19 +79,42 @@ def _compile(recipe: CompileRecipe, start: float) -> dict[str, Any]:
     spec = dataclasses.replace(parent, hysteresis_steps=1, num_draft_tokens=longest)
     engine = RolloutEngine(model, speculative=spec, use_cuda_graphs=False, compile=True, log_compile=False,
                            progress=False, background_compile=False, **recipe.engine)
+    ready: dict[str, float] = {}
     if recipe.staged_drafter is not None:
         engine.stage_drafter(EagleDrafter.from_target(
             engine.inference_copy.module if engine.inference_copy is not None else model,
             feature_layers=recipe.staged_drafter.get("feature_layers"),
             dtype=dtype_named(recipe.staged_drafter["dtype"]),
         ))
+        _tell_when_staged_compiled(engine, recipe.ready_path, start, ready)
     built = time.perf_counter()
     prompts = [[PROMPT_PERIOD[(i + j) % len(PROMPT_PERIOD)] for j in range(recipe.prompt_len)] for i in range(recipe.rows)]
     sampling = SamplingConfig(max_new_tokens=recipe.max_new_tokens, stop_token_ids=[], **recipe.sampling)
     out = engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(0))
     end = time.perf_counter()
-    return {"seconds": end - start, "build_s": built - start, "generate_s": end - built, "spec_steps": out.stats.get("spec/steps", 0.0),
+    return {"seconds": end - start, "build_s": built - start, "generate_s": end - built, "ready_s": ready.get("ready_s"),
+            "spec_steps": out.stats.get("spec/steps", 0.0),
             "stored_compile": stored_compile.stats(), "by_function": stored_compile.stats_by_function()}
+
+
+def _tell_when_staged_compiled(engine: Any, ready_path: str | None, start: float, ready: dict[str, float]) -> None:
+    """Write ``ready_path`` once the engine has compiled (and stored) the staged EAGLE drafter's steps.
+
+    The engine compiles them ahead, at its first speculative step (`compile_staged_drafter`), before the model-free
+    drafter's own verify: a parent that drafts with EAGLE may speculate from the file on. Written whole (a
+    temporary file renamed), so the parent never reads half of it."""
+    compile_staged = engine.compile_staged_drafter
+
+    def compile_and_tell(*args: Any, **kwargs: Any) -> None:
+        compile_staged(*args, **kwargs)
+        ready["ready_s"] = time.perf_counter() - start
+        if ready_path is not None:
+            path = Path(ready_path)
+            part = path.with_name(path.name + ".part")
+            part.write_text(json.dumps(ready))
+            os.replace(part, path)
+
+    engine.compile_staged_drafter = compile_and_tell
 
 
 def _exit_with_parent(parent_pid: int) -> None:

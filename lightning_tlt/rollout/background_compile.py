@@ -54,6 +54,9 @@ SPAWNED_ENV = "LIGHTNING_TLT_BACKGROUND_SPAWNED"
 """Set for the child: the wall-clock time (``time.time()``) it was spawned at, so its report can say how long its
 start (the interpreter, torch and the kit imported) took."""
 
+READY_POLL_S = 0.2
+"""How often (seconds) `BackgroundCompile.eagle_ready` looks for the child's file: it is asked at every decode step."""
+
 PROMPT_PERIOD = (11, 12, 13, 14)
 """The child's prompts repeat this pattern, so that the suffix drafter finds drafts in them at once."""
 
@@ -88,6 +91,9 @@ class CompileRecipe:
     """Device types whose autocast was on in the parent's ``generate``, and its dtype."""
     requires_grad: bool = True
     """Whether the decoded weights require grad (a copy's do not): the compiled forward guards on it."""
+    ready_path: str | None = None
+    """A file the child writes once the EAGLE drafter's steps are stored (`BackgroundCompile.eagle_ready`), before it
+    compiles the model-free drafter's verify; ``None``: none is written."""
     prompt_len: int = 16
     rows: int = 4
     max_new_tokens: int = 24
@@ -158,6 +164,13 @@ class BackgroundCompile:
 
     def __init__(self, recipe: CompileRecipe, folder: Path) -> None:
         stamp = f"{os.getpid()}-{time.time_ns()}"
+        if recipe.staged_drafter is not None and recipe.ready_path is None:
+            recipe = dataclasses.replace(recipe, ready_path=str(folder / f"ready-{stamp}.json"))
+        self.ready_path = None if recipe.ready_path is None else Path(recipe.ready_path)
+        """The file the child writes once the EAGLE drafter's steps are stored (``None``: it has none to compile)."""
+        self.ready_s: float | None = None
+        """The child's wall time (from its spawn) when it had stored them, once seen."""
+        self._ready_checked = 0.0
         self.recipe_path = recipe.write(folder / f"recipe-{stamp}.json")
         self.log_path = folder / f"log-{stamp}.txt"
         env = {**os.environ, ENV_VAR: "0", SPAWNED_ENV: f"{time.time():.6f}"}
@@ -196,6 +209,30 @@ class BackgroundCompile:
         self._finish(code)
         return True
 
+    def eagle_ready(self) -> bool:
+        """Whether the EAGLE drafter's steps are stored: the child said so (its file, looked for at most every
+        `READY_POLL_S`), or it exited cleanly. The first time, the engine's versions are looked up again
+        (`stored_compile.refresh`): an engine drafting with EAGLE speculates from then on, while the child goes on
+        compiling the model-free drafter's verify."""
+        if self.ready_s is not None:
+            return True
+        if self._proc is None:
+            return bool(self.ok)
+        now = time.perf_counter()
+        if self.ready_path is None or now - self._ready_checked < READY_POLL_S:
+            return False
+        self._ready_checked = now
+        if not self.ready_path.is_file():
+            return False
+        self.ready_s = now - self.started
+        stored_compile.refresh()
+        return True
+
+    def eagle_summary(self) -> str:
+        """One console line: the EAGLE drafter's steps are stored while the child still compiles."""
+        return (f"the EAGLE drafter's speculative steps were compiled in the background in {self.ready_s or 0.0:.1f} s; "
+                "speculating with it while the background process compiles the model-free drafter's verify")
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the child exits (or ``timeout`` seconds pass); returns `poll`."""
         if self._proc is not None:
@@ -219,8 +256,9 @@ class BackgroundCompile:
         stored_compile.refresh()
         if code == 0:  # the recipe and the log of a clean run are of no further use once its report is read
             self.result = _read_result(self.log_path)
-            for path in (self.recipe_path, self.log_path):
-                path.unlink(missing_ok=True)
+            for path in (self.recipe_path, self.log_path, self.ready_path):
+                if path is not None:
+                    path.unlink(missing_ok=True)
         elif code is not None:
             try:
                 tail = self.log_path.read_text(errors="replace").strip().splitlines()[-3:]
@@ -230,15 +268,17 @@ class BackgroundCompile:
                           f"{self.log_path}: {' | '.join(tail)}); the engine compiles them itself", stacklevel=3)
 
     def report(self) -> dict[str, Any]:
-        """The child as data (a benchmark's record): ``finished``, ``ok``, ``seconds`` (its wall time, or so far), its
-        phases (``startup_s``, ``build_s``, ``generate_s``), the seconds its generate spent compiling and loading
-        (``compile_s``, ``load_s``) and ``by_function`` (compiled versions and seconds), the last four once it
-        finished cleanly."""
+        """The child as data (a benchmark's record): ``finished``, ``ok``, ``seconds`` (its wall time, or so far),
+        ``eagle_ready_s`` (when this process saw the EAGLE drafter's steps stored, ``None`` if it did not look before
+        the child's end), its phases (``startup_s``, ``build_s``, ``generate_s``, and ``ready_s``: its build and
+        generate up to the EAGLE steps stored), the seconds its generate spent compiling and loading (``compile_s``,
+        ``load_s``) and ``by_function`` (compiled versions and seconds), the last six once it finished cleanly."""
         result = self.result or {}
         stored = result.get("stored_compile") or {}
         return {"finished": self._proc is None, "ok": self.ok,
                 "seconds": self.seconds if self.seconds is not None else time.perf_counter() - self.started,
-                **{k: result.get(k) for k in ("startup_s", "build_s", "generate_s")},
+                "eagle_ready_s": self.ready_s,
+                **{k: result.get(k) for k in ("startup_s", "build_s", "generate_s", "ready_s")},
                 "compile_s": stored.get("compile_s"), "load_s": stored.get("load_s"),
                 "by_function": result.get("by_function")}
 
@@ -249,12 +289,14 @@ class BackgroundCompile:
         report = self.report()
         line = f"the speculative steps were compiled in the background in {report['seconds']:.1f} s"
         phases = [f"{label} {report[key]:.1f} s" for key, label in
-                  (("startup_s", "starting"), ("build_s", "building"), ("generate_s", "generating"))
+                  (("startup_s", "starting"), ("build_s", "building"), ("generate_s", "generating"),
+                   ("ready_s", "the EAGLE steps stored after"))
                   if isinstance(report[key], (int, float))]
         parts = [f"{name} x{int(f['compiled'])} in {f['compile_s']:.1f} s"
                  for name, f in (report["by_function"] or {}).items() if f.get("compiled")]
         detail = "; ".join(x for x in (", ".join(phases), ", ".join(parts)) if x)
-        return line + (f" ({detail})" if detail else "") + "; speculating from now on"
+        tail = "speculating from now on" if self.ready_s is None else "the model-free drafter's steps stored too"
+        return line + (f" ({detail})" if detail else "") + "; " + tail
 
     def __del__(self) -> None:  # an engine dropped mid-compile leaves no child behind
         try:

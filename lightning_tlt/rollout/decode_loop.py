@@ -15,7 +15,7 @@ import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -42,6 +42,9 @@ from lightning_tlt.rollout.scheduler import Request, SlotScheduler
 from lightning_tlt.rollout.spec_metrics import SpeculationMetrics
 from lightning_tlt.rollout.step_runner import StepRunner
 from lightning_tlt.rollout.steps import SamplingKey
+
+if TYPE_CHECKING:
+    from lightning_tlt.drafters.eagle import EagleDrafter
 
 Results = dict[int, tuple[list[int], list[float]]]
 
@@ -182,7 +185,10 @@ class DecodeLoop(StepRunner):
 
     def _spawn_background(self, sampling: SamplingKey) -> BackgroundCompile | None:
         """The child, with a recipe of this engine's shapes and settings; ``None`` where it would not fit the GPU."""
-        hf, staged, cache_dir = self._hf, self.staged_drafter, self._compile_cache_dir
+        hf, cache_dir = self._hf, self._compile_cache_dir
+        # the EAGLE drafter the engine will speculate with: the staged one, else the one drafting now (its steps are
+        # compiled first, and the child says when: `BackgroundCompile.eagle_ready`)
+        staged = self.staged_drafter or (cast("EagleDrafter", self._drafter) if self._drafter_on_device() else None)
         assert cache_dir is not None  # `_start_background` starts none without one
         if self.device.type == "cuda":  # the child holds the decode weights and a KV cache as large as this one's
             assert self._cache is not None
@@ -216,17 +222,29 @@ class DecodeLoop(StepRunner):
         if not self._background_tried and self._compiled:
             return 0  # the first step is plain: it compiles the plain steps before a background compile may start
         job = self._background
-        if job is not None and not job.poll():
+        if job is not None and job.poll():
+            if not self._background_told:
+                self._background_told = True
+                if self._tracker.report:
+                    say(job.summary())
+        elif job is not None and not (self._drafter_on_device() and self._eagle_ready(job)):
             return 0  # the speculative steps are still compiling in the background: plain decoding meanwhile
-        if job is not None and not self._background_told:
-            self._background_told = True
-            if self._tracker.report:
-                say(job.summary())
         if not self._gate.update(n):
             return 0
         if self._tuner is None:
             return self.max_draft_tokens
         return self._tuner.choose(n)
+
+    def _eagle_ready(self, job: BackgroundCompile) -> bool:
+        """Whether the child has stored the EAGLE drafter's steps (the model-free drafter's verify may still be
+        compiling): said once on the console."""
+        if not job.eagle_ready():
+            return False
+        if not self._eagle_told:
+            self._eagle_told = True
+            if self._tracker.report:
+                say(job.eagle_summary())
+        return True
 
     def _launch_plain(self, run: CallState, key: SamplingKey, n: int) -> None:
         graphs = self._graphs

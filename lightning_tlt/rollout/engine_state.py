@@ -108,6 +108,7 @@ class EngineState:
         self._background: BackgroundCompile | None = None  # the child compiling speculation (`background_compile`)
         self._background_tried = False
         self._background_told = False  # its end said on the console
+        self._eagle_told = False  # that it stored the EAGLE drafter's steps, said on the console
         self._prefill_chunk_setting = prefill_chunk_tokens
         self._attention_setting = attention  # as given ("auto" stays "auto": the compiled steps guard on it)
         self._compiled = False  # the steps run compiled (until a compiler failure turns them eager)

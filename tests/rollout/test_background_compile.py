@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -13,8 +15,14 @@ from lightning_tlt.core import stored_compile
 from lightning_tlt.core.types import SamplingConfig, SpeculativeConfig
 from lightning_tlt.drafters.eagle import EagleDrafter
 from lightning_tlt.models.zoo import build_model
-from lightning_tlt.rollout.background_compile import BackgroundCompile, CompileRecipe, global_state
+from lightning_tlt.rollout.background_compile import (
+    READY_POLL_S,
+    BackgroundCompile,
+    CompileRecipe,
+    global_state,
+)
 from lightning_tlt.rollout.engine import RolloutEngine
+from lightning_tlt.rollout.steps import SamplingKey
 
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 9, 10, 9, 10]]
 
@@ -34,6 +42,7 @@ def test_the_child_compiles_speculation_and_the_engine_loads_it(tmp_path: Path) 
     assert recipe["engine"]["max_batch_size"] == 8 and recipe["sampling"]["temperature"] == 1.0
     assert recipe["staged_drafter"] == {"feature_layers": None, "dtype": "torch.float32"}
     assert recipe["requires_grad"] is False and recipe["model_dtype"] == "torch.float32"
+    assert recipe["ready_path"] == str(job.ready_path) and job.ready_path.parent == job.recipe_path.parent
     assert first.stats["spec/steps"] == 0  # the child compiles far more than this call's plain decode: still running
     mine = os.getpriority(os.PRIO_PROCESS, 0)
     assert job.niceness == min(19, mine + 10) - mine > 0  # background work: below the decoding process
@@ -41,6 +50,9 @@ def test_the_child_compiles_speculation_and_the_engine_loads_it(tmp_path: Path) 
         assert os.getpriority(os.PRIO_PROCESS, job._proc.pid) == mine + job.niceness
     assert job.wait(900) and job.ok
     assert not job.log_path.exists() and not job.recipe_path.exists()  # a clean run leaves nothing behind
+    assert job.ready_path is not None and not job.ready_path.exists()
+    # the staged EAGLE drafter's steps were stored before the model-free drafter's verify compiled: the child said so
+    assert job.result is not None and 0 < job.result["ready_s"] < job.result["seconds"]
     assert job.result is not None and job.result["by_function"]["verify_update"]["compiled"] >= 1
     assert "verify_update x" in job.summary() and job.summary().startswith("the speculative steps were compiled")
     # where the child's wall time went: its start (spawn to imports done), the build, the speculative generate
@@ -49,9 +61,11 @@ def test_the_child_compiles_speculation_and_the_engine_loads_it(tmp_path: Path) 
     assert phases["seconds"] == pytest.approx(phases["build_s"] + phases["generate_s"])
     assert phases["startup_s"] + phases["seconds"] <= job.seconds + 0.5
     assert "(starting " in job.summary() and ", generating " in job.summary()
+    assert ", the EAGLE steps stored after " in job.summary()
     report = job.report()  # the same as data, for a benchmark's record
     assert report["finished"] and report["ok"] and report["seconds"] == job.seconds
     assert {k: report[k] for k in ("startup_s", "build_s", "generate_s")} == {k: phases[k] for k in ("startup_s", "build_s", "generate_s")}
+    assert report["ready_s"] == job.result["ready_s"]
     assert report["by_function"]["verify_update"]["compiled"] >= 1 and report["compile_s"] > 0
     before = stored_compile.stats()
     second = engine.generate(PROMPTS, cfg, num_samples=2, generator=torch.Generator().manual_seed(0))
@@ -105,3 +119,63 @@ def test_a_child_whose_global_state_differs_stops_before_compiling(tmp_path: Pat
     with pytest.warns(UserWarning, match="failed"):
         assert job.wait(300)
     assert "global state differs from the parent's in ['torch_function_all_disabled']" in job.log_path.read_text()
+
+
+def test_an_eagle_engine_speculates_as_soon_as_the_child_has_stored_the_eagle_steps(tmp_path: Path) -> None:
+    # the child stores the EAGLE drafter's steps first and says so in a file; the model-free drafter's verify
+    # compiles after it: an engine that drafts with EAGLE speculates from the file on, not from the child's end
+    model = build_model("qwen2", "tiny", seed=0).requires_grad_(False)
+    spec = SpeculativeConfig(method="suffix", threshold=8, hysteresis_steps=1, verification="coupled")
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=24, stop_token_ids=[])
+
+    def eagle_engine(background: bool) -> RolloutEngine:
+        engine = RolloutEngine(model, max_batch_size=8, max_seq_len=96, compile=True, speculative=spec,
+                               compile_cache=tmp_path, background_compile=background, log_compile=False)
+        engine.set_drafter(EagleDrafter.from_target(model, generator=torch.Generator().manual_seed(1)))
+        return engine
+
+    # what the child would store, compiled here first (the store of one process, read afresh below)
+    assert eagle_engine(False).generate(PROMPTS, cfg, num_samples=2).stats["spec/steps"] > 0
+    stored_compile.reset()
+    engine = eagle_engine(True)
+    with torch.no_grad():
+        state = global_state()
+    # a real child, held stopped: it is still "compiling" for as long as the test needs
+    recipe = CompileRecipe(model_class="NoSuchModelForCausalLM", model_config={}, model_dtype="float32", device="cpu",
+                           engine={}, speculative={}, sampling={}, global_state=state,
+                           staged_drafter={"feature_layers": None, "dtype": "torch.float32"})
+    job = BackgroundCompile(recipe, tmp_path / "background")
+    os.kill(job._proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+    try:
+        engine._background, engine._background_tried = job, True
+        before = engine.generate(PROMPTS, cfg, num_samples=2, generator=torch.Generator().manual_seed(0))
+        assert before.stats["spec/steps"] == 0 and not job.eagle_ready()  # no file: plain decoding
+        assert job.ready_path is not None
+        job.ready_path.write_text(json.dumps({"ready_s": 1.0}))
+        time.sleep(READY_POLL_S)
+        compiled = stored_compile.stats()["compiled"]
+        out = engine.generate(PROMPTS, cfg, num_samples=2, generator=torch.Generator().manual_seed(0))
+        assert out.stats["spec/steps"] > 0  # speculating while the child still runs
+        assert not job.poll() and job.report()["eagle_ready_s"] > 0
+        assert stored_compile.stats()["compiled"] == compiled  # every EAGLE version loaded, none compiled here
+        # coupled verification: the plain sampler's tokens (the loaded versions are right)
+        plain = RolloutEngine(model, max_batch_size=8, max_seq_len=96, compile=False)
+        assert out.completion_ids == plain.generate(PROMPTS, cfg, num_samples=2,
+                                                    generator=torch.Generator().manual_seed(0)).completion_ids
+        # a model-free drafter (drafting on the host) waits for the child's end: its verify is compiled last
+        suffix = RolloutEngine(model, max_batch_size=8, max_seq_len=96, compile=True, speculative=spec,
+                               compile_cache=tmp_path, background_compile=True, log_compile=False)
+        suffix._background, suffix._background_tried = job, True
+        assert suffix.generate(PROMPTS, cfg, num_samples=2).stats["spec/steps"] == 0
+    finally:
+        os.kill(job._proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
+        job.close()
+    # with nothing staged, the recipe names the EAGLE drafter the engine drafts with now: the child compiles its steps
+    drafting = engine._spawn_background(SamplingKey(1.0, 0, 1.0))
+    assert drafting is not None
+    try:
+        assert json.loads(drafting.recipe_path.read_text())["staged_drafter"] == {"feature_layers": None,
+                                                                                  "dtype": "torch.float32"}
+        assert drafting.ready_path is not None
+    finally:
+        drafting.close()
