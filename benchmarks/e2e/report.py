@@ -404,6 +404,19 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
     return {prefix.rstrip("."): json.dumps(value, default=float)}
 
 
+def _same(x: str | None, y: str | None) -> bool:
+    """Two `_flatten` leaves equal, numbers to 1e-12 relative: Python's float sums may differ in the last bit
+    between the machine that wrote a report and the one that checks it (Python 3.12 on the H100 against 3.11
+    here: ``stderr_autocorr`` of a 2026-12-08 report, 1 ulp apart)."""
+    if x == y:
+        return True
+    if x is None or y is None:
+        return False
+    u, v = json.loads(x), json.loads(y)
+    numbers = all(isinstance(n, (int, float)) and not isinstance(n, bool) for n in (u, v))
+    return numbers and math.isclose(u, v, rel_tol=1e-12, abs_tol=0.0)
+
+
 def differences(report: dict[str, Any]) -> list[str]:
     """What in a format-2 report its units do not give: each computed key whose stored value differs from
     `recompute` (dotted, ``ratios.a_over_b_step``), and each unit without a valid ``provenance``."""
@@ -412,7 +425,7 @@ def differences(report: dict[str, Any]) -> list[str]:
     if report.get("capped") is not None:
         stored["capped"] = {k: report["capped"].get(k) for k in ("max_new", *COMPUTED)}
     a, b = _flatten(stored), _flatten(fresh)
-    out = [key for key in sorted(a.keys() | b.keys()) if a.get(key) != b.get(key)]
+    out = [key for key in sorted(a.keys() | b.keys()) if not _same(a.get(key), b.get(key))]
     sections = [report, *([report["capped"]] if report.get("capped") is not None else [])]
     for unit in (u for s in sections for u in (*s["runs"], *s["trl_runs"])):
         p = unit.get("provenance") or {}

@@ -141,9 +141,13 @@ def test_a_hand_edit_or_a_unit_without_provenance_is_found(e2e: ModuleType, tmp_
     edited["capped"]["summary"]["tlt"]["step_s"] = 1.0
     edited["ratios"]["note"] = "1.8x on both seeds"  # prose added by hand
     edited["trl_runs"][0]["provenance"] = {"commit": "abc", "date": "x", "device": "cpu", "measured": False}
+    step = edited["ratios"]["a_over_b_step"]
+    edited["ratios"]["a_over_b_step"] = step * (1 + 2e-16)  # another machine's last bit: the same figure
     assert differences(edited) == ["capped.summary.tlt.step_s", "per_seed.0.a_over_b_step", "ratios.note",
                                    "provenance of trl/seed0: {'commit': 'abc', 'date': 'x', 'device': 'cpu', "
                                    "'measured': False}"]
+    edited["ratios"]["a_over_b_step"] = step * (1 + 1e-9)  # far below a hand-rounded figure, and still caught
+    assert "ratios.a_over_b_step" in differences(edited)
 
 
 def test_every_committed_e2e_report_of_format_2_is_its_units_recomputed(e2e: ModuleType) -> None:
