@@ -404,6 +404,7 @@ def run_lightning(
     total = time.perf_counter() - t0
     graphs = getattr(data.engine, "graph_stats", None)
     job = getattr(data.engine, "background_compile_job", None)
+    learners = [c.learner for c in callbacks if getattr(c, "learner", None) is not None]
     run = {
         "name": name,
         "seed": seed,
@@ -412,6 +413,8 @@ def run_lightning(
         "graph_stats": dict(graphs) if isinstance(graphs, dict) else None,
         # the child that compiled speculation, if one started (a cold store): its phases and compile seconds
         "background_compile": None if job is None else job.report(),
+        # the SMs the drafter's side stream ran on (--side-stream-sms resolved; None: every SM, or no side stream)
+        "side_stream_sms": learners[0].side_stream_sms if learners else None,
         "error": error,
         "start": "dynamo_reset",  # traced afresh (see above); earlier units' runs did not: they shared traces
         "provenance": provenance(args.commit, policy_dir),

@@ -57,9 +57,9 @@ class E2EOptions:
     stall_steps: int = 4
     """Most drafter steps queued at one stall event (0: the drafter is not trained in the stalls, only
     warm-started; splits speculation from the stall training)."""
-    side_stream_sms: int | None = None
-    """a: the drafter's stall steps on a CUDA green context of this many SMs
-    (DrafterTrainConfig.side_stream_sms; default: every SM)."""
+    side_stream_sms: int | str | None = "auto"
+    """a: the SMs of the drafter's stall steps (DrafterTrainConfig.side_stream_sms): auto (its default, a
+    quarter of the device's: 32 on an H100 or H200), all (every SM; the reports before 2026-12-08) or a count."""
     verification: Literal["rejection", "coupled"] = "rejection"
     """a: how drafts are verified (SpeculativeConfig.verification, both lossless): rejection sampling, or
     coupled with the plain sampler (the same tokens as speculation off for the same seed)."""
@@ -130,8 +130,9 @@ class E2EOptions:
         if self.step_timeout_s < 0 or self.watchdog_s < 0:
             raise ValueError(f"--step-timeout-s and --watchdog-s must be >= 0 (0: off), got {self.step_timeout_s} "
                              f"and {self.watchdog_s}")
-        if self.side_stream_sms is not None and self.side_stream_sms < 1:
-            raise ValueError(f"--side-stream-sms must be >= 1 (default: every SM), got {self.side_stream_sms}")
+        sms = self.side_stream_sms
+        if not (sms is None or sms == "auto" or (isinstance(sms, int) and not isinstance(sms, bool) and sms >= 1)):
+            raise ValueError(f"--side-stream-sms takes auto, all or a count >= 1, got {sms!r}")
         if self.stall_steps < 0:
             raise ValueError(f"--stall-steps must be >= 0 (0: no drafter steps in the stalls), got {self.stall_steps}")
         if self.cap is not None and not 1 <= self.cap <= self.max_new:
@@ -192,6 +193,16 @@ def engine_options(text: str) -> dict[str, Any]:
     return value
 
 
+def sms_option(text: str) -> int | str | None:
+    """``--side-stream-sms``: ``auto``, ``all`` (every SM: ``None``) or a count."""
+    if text in ("auto", "all"):
+        return None if text == "all" else text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"auto, all or a count of SMs, got {text!r}") from None
+
+
 def attribute_docs(cls: type) -> dict[str, str]:
     """A dataclass's attribute docstrings (the string right below each field), by field name."""
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
@@ -221,6 +232,8 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument(flag, choices=args, help=help_)
         elif f.name == "engine":
             p.add_argument(flag, type=engine_options, help=help_)
+        elif f.name == "side_stream_sms":
+            p.add_argument(flag, type=sms_option, help=help_, metavar="{auto,all,N}")
         else:
             kind = args[0] if args else hint  # X | None: X
             p.add_argument(flag, type=kind, help=help_, metavar="REPORT" if f.name == "carry" else None)

@@ -40,6 +40,9 @@ FORMAT = 4
 """The report's format: 2, units with provenance and the report recomputed from them (`report.recompute`);
 3, each run traced afresh (``start``) and the summary's compile seconds (`report.FORMAT_3_KEYS`); 4, the
 accuracy verdict allows for correlated steps (`report.no_accuracy_loss`)."""
+PREDATED_DEFAULTS = {"side_stream_sms": None}
+"""What a report that predates a setting's current default measured with (`carry`): every SM before the
+default became ``"auto"`` (2026-12-08)."""
 UNIT_FORMAT = 3
 """The run units' format, part of their cache key: 3 since each run is traced afresh (the report's format
 4 changed only what is computed from the units, so their cache stands)."""
@@ -292,7 +295,7 @@ def carry(args: E2EOptions, report: dict[str, Any], source: str, parts: Path, tr
     ``carried_from: source`` (the first report it was carried from, if carried before). Returns what
     was carried.
     """
-    defaults = E2EOptions().settings()
+    defaults = {**E2EOptions().settings(), **PREDATED_DEFAULTS}
     old = (report.get("capped") or {}) if capped else report
     old_args = report["args"]
     if capped:  # the section's own settings, as `E2EOptions.capped` derives them

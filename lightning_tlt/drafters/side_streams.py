@@ -3,7 +3,7 @@
 The co-trained drafter's steps run on a side stream beside decoding
 (`lightning_tlt.drafters.trainer.DrafterTrainer`); with ``DrafterTrainConfig.side_stream_sms`` that
 stream belongs to a green context (`torch.cuda.green_contexts`) of that many SMs, so drafter work cannot
-take the SMs decode needs. Contexts are shared by every trainer of the process and never destroyed.
+take the SMs decode needs (``"auto"``, the default: `auto_sms`). Contexts are shared by every trainer of the process and never destroyed.
 """
 
 from __future__ import annotations
@@ -14,6 +14,26 @@ import torch
 
 from lightning_tlt.core.streams import EXCLUSIVE_STREAMS
 
+AUTO_SHARE = 4
+"""``side_stream_sms="auto"``: a quarter of the device's SMs (`auto_sms`)."""
+
+AUTO_MIN_SMS = 32
+"""Devices with fewer SMs are not split by ``"auto"``: a quarter of them would leave the drafter too few."""
+
+
+def auto_sms(total: int) -> int | None:
+    """``side_stream_sms="auto"`` on a device of ``total`` SMs: a quarter of them in steps of 8 (green contexts
+    partition SMs in groups; 32 of an H100's or H200's 132), or ``None`` (every SM) below `AUTO_MIN_SMS`.
+
+    The share is measured, not derived: at 0.5 B on the H200 a drafter step on 16, 32 and 64 SMs slowed a decode
+    step beside it by 13, 17 and 36 % (every SM: 353 %) and took 47, 25 and 14 ms, so a pacer holding decode to a
+    5 % slowdown admits about 8, 12 and 10 drafter steps a stall-second (every SM: 1.5); the e2e on an H100 then
+    ran 2-2.7x the drafter steps an RL step of every SM at the same 5 % with 32 (docs/benchmarks.md).
+    """
+    if total < AUTO_MIN_SMS:
+        return None
+    return max(8, total // AUTO_SHARE // 8 * 8)
+
 
 class GreenContexts:
     """CUDA green contexts by (device index, SMs), each created on first use and never destroyed: memory
@@ -22,6 +42,18 @@ class GreenContexts:
 
     def __init__(self) -> None:
         self._contexts: dict[tuple[int, int], Any] = {}
+
+    @staticmethod
+    def resolve(device: torch.device, sms: int | str | None) -> int | None:
+        """``side_stream_sms`` as a count: ``"auto"`` is `auto_sms` of the device where torch has green
+        contexts, else ``None`` (every SM: an explicit count on such a torch is an error, in `stream`)."""
+        if sms != "auto":
+            return None if sms is None else int(sms)
+        from torch.cuda import green_contexts
+
+        if not getattr(green_contexts, "SUPPORTED", False):
+            return None
+        return auto_sms(torch.cuda.get_device_properties(device).multi_processor_count)
 
     def stream(self, device: torch.device, sms: int | None, owner: object | None = None) -> Any:
         """A new stream on ``device``: of the green context of ``sms`` SMs (one per device and count), or

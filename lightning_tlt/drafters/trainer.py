@@ -88,11 +88,16 @@ class DrafterTrainConfig:
     "deferred" (queued, run at `DrafterTrainer.wait`), or "auto": "graph" on CUDA, "eager" on the CPU."""
     max_queued: int = 4
     """Most drafter steps in flight on the side stream (further requests wait for a later event)."""
-    side_stream_sms: int | None = None
+    side_stream_sms: int | Literal["auto"] | None = "auto"
     """SMs the side stream's kernels may use (a CUDA green context, `torch.cuda.green_contexts`), so
     drafter steps leave the rest to decode instead of holding every SM for their whole run (stream
     priorities cannot do that: they order blocks waiting to start, not blocks running); ``None``: all
-    SMs. Applies to ``"graph"`` and ``"stream"`` execution only (the CPU has no side stream)."""
+    SMs; ``"auto"`` (the default): a quarter of the device's, in steps of 8 (32 on an H100 or H200), where
+    torch has green contexts and the device at least 32 SMs, else all (`lightning_tlt.drafters.side_streams.auto_sms`).
+    Measured at 0.5 B: 32 SMs gave the most drafter steps a stall-second under a capped decode slowdown (16, 32
+    and 64 SMs and all on the H200), and 2-2.7x the drafter steps an RL step of all SMs at the same 5 % in the
+    e2e on an H100 (docs/benchmarks.md). Applies to ``"graph"`` and ``"stream"`` execution only (the CPU has no
+    side stream)."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "max_len", "pack_segments", "max_queued"):
@@ -110,8 +115,9 @@ class DrafterTrainConfig:
             raise ValueError(f"eval_temperature must be > 0, got {self.eval_temperature!r}")
         if self.execution not in _EXECUTIONS:
             raise ValueError(f"execution must be one of {_EXECUTIONS}, got {self.execution!r}")
-        if self.side_stream_sms is not None and self.side_stream_sms < 1:
-            raise ValueError(f"side_stream_sms must be >= 1 or None (every SM), got {self.side_stream_sms!r}")
+        sms = self.side_stream_sms
+        if not (sms is None or sms == "auto" or (isinstance(sms, int) and not isinstance(sms, bool) and sms >= 1)):
+            raise ValueError(f"side_stream_sms must be 'auto', None (every SM) or a count >= 1, got {sms!r}")
 
 
 class DrafterTrainer:
@@ -174,7 +180,10 @@ class DrafterTrainer:
         self._graph: Any = None
         self._captured_at: tuple[int, ...] = ()  # `input_addresses()` at the capture
         in_stream = execution in ("graph", "stream")
-        self._stream: Any = GREEN_CONTEXTS.stream(dev, config.side_stream_sms, owner=self) if in_stream else None
+        self.side_stream_sms = GREEN_CONTEXTS.resolve(dev, config.side_stream_sms) if in_stream else None
+        """The SMs of the side stream's green context (``config.side_stream_sms`` resolved), ``None``: every SM or no
+        side stream."""
+        self._stream: Any = GREEN_CONTEXTS.stream(dev, self.side_stream_sms, owner=self) if in_stream else None
         slots = config.max_queued if self._stream is not None else 0
         self._pinned = [torch.empty_like(self._plan, device="cpu").pin_memory() for _ in range(slots)]
         self._slot_done: list[Any] = [None] * slots

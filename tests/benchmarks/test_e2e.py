@@ -195,6 +195,16 @@ def test_the_options_keep_their_flags_and_checks(e2e: ModuleType) -> None:
     assert e2e.run_file(plain, "nospec", 0) == e2e.run_file(coupled, "nospec", 0)
     with pytest.raises(SystemExit):
         e2e.parse_args(["--verification", "maximal"])
+    # the drafter's side stream: auto (DrafterTrainConfig's default), all SMs or a count; a's key alone
+    assert [e2e.parse_args(a).side_stream_sms for a in ([], ["--side-stream-sms", "all"],
+                                                         ["--side-stream-sms", "32"])] == ["auto", None, 32]
+    every = e2e.parse_args(["--side-stream-sms", "all"])
+    assert e2e.run_file(plain, "tlt", 0) != e2e.run_file(every, "tlt", 0)
+    assert e2e.run_file(plain, "nospec", 0) == e2e.run_file(every, "nospec", 0)
+    with pytest.raises(ValueError, match=r"--side-stream-sms takes auto, all or a count >= 1, got 0"):
+        e2e.parse_args(["--side-stream-sms", "0"])
+    with pytest.raises(SystemExit):
+        e2e.parse_args(["--side-stream-sms", "half"])
 
 
 def test_the_e2e_carries_only_runs_measured_with_this_calls_settings(e2e: ModuleType, tmp_path: Path) -> None:
@@ -340,6 +350,8 @@ def test_the_whole_pipeline_writes_a_report_its_units_give(e2e: ModuleType, tmp_
         assert all(unit["start"] == "dynamo_reset" for unit in report["runs"])
         # the child of a background compile, recorded where one ran: the smoke engines compile nothing in one
         assert all(unit["background_compile"] is None for unit in report["runs"])
+        # --side-stream-sms auto (the default) on the CPU: no side stream, so no green context
+        assert report["args"]["side_stream_sms"] == "auto" and all(u["side_stream_sms"] is None for u in report["runs"])
         return report
 
     first = call("--trl-budget-s", "0.01")  # the next TRL step never fits: one step each

@@ -102,11 +102,34 @@ def test_warmup_schedule_and_validation() -> None:
         DrafterTrainConfig(execution="async")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="needs a CUDA drafter"):
         make_trainer("graph")
-    with pytest.raises(ValueError, match=r"side_stream_sms must be >= 1 or None \(every SM\), got 0"):
-        DrafterTrainConfig(side_stream_sms=0)
+    for bad in (0, "half", True):
+        with pytest.raises(ValueError, match=r"side_stream_sms must be 'auto', None \(every SM\) or a count >= 1, got "):
+            DrafterTrainConfig(side_stream_sms=bad)  # type: ignore[arg-type]
+    assert DrafterTrainConfig().side_stream_sms == "auto"
     # a GPU setting in a config run on the CPU: no side stream there, so nothing to partition
-    eager = make_trainer(side_stream_sms=16)
-    assert eager.execution == "eager" and eager.side_stream is None and eager.enqueue(1) == 1
+    for sms in (16, "auto"):
+        eager = make_trainer(side_stream_sms=sms)
+        assert eager.execution == "eager" and eager.side_stream is None and eager.side_stream_sms is None
+        assert eager.enqueue(1) == 1
+
+
+def test_auto_side_stream_sms_is_a_quarter_of_the_device_in_steps_of_8(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``"auto"``: 32 of an H100's or H200's 132 SMs (the count measured best), every SM on a small device or a
+    torch without green contexts (the device's SM count and the flag are stood in: no CUDA here)."""
+    from types import SimpleNamespace
+
+    from torch.cuda import green_contexts
+
+    from lightning_tlt.drafters.side_streams import auto_sms
+
+    assert [auto_sms(n) for n in (132, 108, 80, 32, 16)] == [32, 24, 16, 8, None]
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(multi_processor_count=132))
+    cuda0 = torch.device("cuda", 0)
+    monkeypatch.setattr(green_contexts, "SUPPORTED", True)
+    assert [GreenContexts.resolve(cuda0, s) for s in ("auto", 48, None)] == [32, 48, None]
+    monkeypatch.setattr(green_contexts, "SUPPORTED", False)
+    assert GreenContexts.resolve(cuda0, "auto") is None  # no green contexts: every SM, no error
+    assert GreenContexts.resolve(cuda0, 48) == 48  # an explicit count is kept (and refused by `stream`)
 
 
 def test_side_stream_sms_checks_the_count_and_keeps_one_green_context_per_device_and_count(
