@@ -14,9 +14,12 @@ c. ``trl``: TRL's ``GRPOTrainer`` from the same warm start, its default HF ``gen
    weights and generation in bf16 on the GPU; ``--trl-steps`` steps (3), its first left out of its
    steady mean.
 
-Each run of a or b starts with ``torch._dynamo.reset()``: it traces its own step functions as a new
-process would, whichever arm ran before it in this process (Inductor's on-disk caches stay warm, as on
-a restart on the same machine), so the whole-run and first-step ratios compare like with like.
+Each run of a or b starts with ``torch._dynamo.reset()`` and `lightning_tlt.core.stored_compile.reset`: it
+traces its own step functions and loads their compiled versions from the store as a new process would,
+whichever arm ran before it in this process (Inductor's on-disk caches and the store stay warm, as on a
+restart on the same machine), so the whole-run and first-step ratios compare like with like. Runs before
+units of format 4 (2026-12-08) kept the versions an earlier run in the process had loaded: b's runs after the
+warm start captured their first graphs faster than a fresh process.
 
 On the GPU a and b train float32 master weights under bf16 autocast (``--master-weights``) and roll
 out from the engine's bf16 copy of them; they cut the update into micro-batches by tokens

@@ -43,9 +43,10 @@ accuracy verdict allows for correlated steps (`report.no_accuracy_loss`)."""
 PREDATED_DEFAULTS = {"side_stream_sms": None}
 """What a report that predates a setting's current default measured with (`carry`): every SM before the
 default became ``"auto"`` (2026-12-08)."""
-UNIT_FORMAT = 3
+UNIT_FORMAT = 4
 """The run units' format, part of their cache key: 3 since each run is traced afresh (the report's format
-4 changed only what is computed from the units, so their cache stands)."""
+4 changed only what is computed from the units, so their cache stands); 4 since each run also loads its
+compiled versions from the store, as a new process would (``start``: ``as_new_process``)."""
 WORKLOAD_KEYS = ("arch", "smoke", "sft_steps", "sft_batch", "sft_lr", "sft_max_length", "sft_batch_tokens",
                  "sft_max_time_s")
 

@@ -347,7 +347,7 @@ def test_the_whole_pipeline_writes_a_report_its_units_give(e2e: ModuleType, tmp_
         print(f"smoke call: {time.perf_counter() - t0:.1f} s")
         report = json.loads(out.read_text())
         assert report["format"] == 4 and differences(report) == []
-        assert all(unit["start"] == "dynamo_reset" for unit in report["runs"])
+        assert all(unit["start"] == "as_new_process" for unit in report["runs"])
         # the child of a background compile, recorded where one ran: the smoke engines compile nothing in one
         assert all(unit["background_compile"] is None for unit in report["runs"])
         # --side-stream-sms auto (the default) on the CPU: no side stream, so no green context
