@@ -8,6 +8,7 @@ take the SMs decode needs (``"auto"``, the default: `auto_sms`). Contexts are sh
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -54,6 +55,20 @@ class GreenContexts:
         if not getattr(green_contexts, "SUPPORTED", False):
             return None
         return auto_sms(torch.cuda.get_device_properties(device).multi_processor_count)
+
+    def side_stream(self, device: torch.device, setting: int | str | None, owner: object | None = None) -> tuple[Any, int | None]:
+        """The side stream of ``side_stream_sms=setting`` and the SMs it got (``None``: every SM). ``"auto"`` falls back
+        to every SM, with one warning, where the green context cannot be made (a driver without them, say): a
+        default never stops a run that every SM would serve."""
+        sms = self.resolve(device, setting)
+        if setting != "auto" or sms is None:
+            return self.stream(device, sms, owner), sms
+        try:
+            return self.stream(device, sms, owner), sms
+        except Exception as err:  # noqa: BLE001 - whatever the driver says, every SM still works
+            warnings.warn(f"side_stream_sms='auto': no green context of {sms} SMs could be made ({err!r}); the "
+                          "drafter's side stream uses every SM", stacklevel=3)
+            return self.stream(device, None, owner), None
 
     def stream(self, device: torch.device, sms: int | None, owner: object | None = None) -> Any:
         """A new stream on ``device``: of the green context of ``sms`` SMs (one per device and count), or

@@ -180,10 +180,12 @@ class DrafterTrainer:
         self._graph: Any = None
         self._captured_at: tuple[int, ...] = ()  # `input_addresses()` at the capture
         in_stream = execution in ("graph", "stream")
-        self.side_stream_sms = GREEN_CONTEXTS.resolve(dev, config.side_stream_sms) if in_stream else None
+        self._stream: Any = None
+        self.side_stream_sms: int | None = None
         """The SMs of the side stream's green context (``config.side_stream_sms`` resolved), ``None``: every SM or no
         side stream."""
-        self._stream: Any = GREEN_CONTEXTS.stream(dev, self.side_stream_sms, owner=self) if in_stream else None
+        if in_stream:
+            self._stream, self.side_stream_sms = GREEN_CONTEXTS.side_stream(dev, config.side_stream_sms, owner=self)
         slots = config.max_queued if self._stream is not None else 0
         self._pinned = [torch.empty_like(self._plan, device="cpu").pin_memory() for _ in range(slots)]
         self._slot_done: list[Any] = [None] * slots

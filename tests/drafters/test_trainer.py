@@ -130,6 +130,24 @@ def test_auto_side_stream_sms_is_a_quarter_of_the_device_in_steps_of_8(monkeypat
     monkeypatch.setattr(green_contexts, "SUPPORTED", False)
     assert GreenContexts.resolve(cuda0, "auto") is None  # no green contexts: every SM, no error
     assert GreenContexts.resolve(cuda0, 48) == 48  # an explicit count is kept (and refused by `stream`)
+    # a torch with green contexts on a driver that cannot make one: "auto" falls back to every SM with a warning,
+    # an explicit count is an error
+    from lightning_tlt.drafters import side_streams
+
+    monkeypatch.setattr(green_contexts, "SUPPORTED", True)
+
+    def refuse(**kw: object) -> None:
+        raise RuntimeError("CUDA error: operation not supported")
+
+    monkeypatch.setattr(green_contexts.GreenContext, "create", staticmethod(refuse))
+    every = object()
+    monkeypatch.setattr(side_streams.EXCLUSIVE_STREAMS, "acquire", lambda *a, **k: every)
+    contexts = GreenContexts()
+    with pytest.warns(UserWarning, match=r"side_stream_sms='auto': no green context of 32 SMs could be made .*every SM"):
+        assert contexts.side_stream(cuda0, "auto") == (every, None)
+    assert contexts.side_stream(cuda0, None) == (every, None)
+    with pytest.raises(RuntimeError, match="operation not supported"):
+        contexts.side_stream(cuda0, 32)
 
 
 def test_side_stream_sms_checks_the_count_and_keeps_one_green_context_per_device_and_count(
