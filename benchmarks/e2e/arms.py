@@ -107,6 +107,7 @@ class StepRecorder(Callback):
         self._engine_hooked = False
         self._nonfinite_before_update: list[str] = []
         self._nonfinite_after_update: list[str] = []
+        self._check_s = 0.0  # seconds of the finite check after the update (the marker's), part of boundary_s
         self._graphs_seen = (0.0, 0.0)  # the engine's (captures, capture s) at the last step's end
         self._recent: collections.deque[StepEvent] = collections.deque(maxlen=8)  # for the watchdog's report
         self._timer: threading.Timer | None = None
@@ -188,6 +189,9 @@ class StepRecorder(Callback):
         r["nonfinite_after_update"] = self._nonfinite_after_update
         r["nonfinite_after_boundary"] = nonfinite_parameters(pl_module)
         r["drafter_metrics"] = {k: float(v) for k, v in last.items() if isinstance(v, (int, float))}
+        # where boundary_s went: the update's finite check (after train_end), then the drafter callback's parts
+        r["boundary_parts"] = {"nonfinite_check": self._check_s,
+                               **(dict(getattr(cotrain[0], "last_boundary", {})) if cotrain else {})}
         # graphs captured in this step (a one-time cost: the first time a batch bucket or k is met)
         graphs = getattr(trainer.datamodule.engine, "graph_stats", None) or {}  # type: ignore[attr-defined]
         seen = (float(graphs.get("captures", 0.0)), float(graphs.get("capture_time_s", 0.0)))
@@ -300,9 +304,10 @@ class _TrainEndMarker(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         sync()
-        self.recorder._train_end = time.perf_counter()
+        self.recorder._train_end = start = time.perf_counter()
         # after the RL update, before any other callback's boundary work (the drafter's)
         self.recorder._nonfinite_after_update = nonfinite_parameters(pl_module)
+        self.recorder._check_s = time.perf_counter() - start  # in boundary_s (a device read: it waits for the GPU)
 
 
 def nonfinite_parameters(pl_module: pl.LightningModule, most: int = 5) -> list[str]:

@@ -63,6 +63,19 @@ from lightning_tlt.drafters.trainer import DrafterTrainer
 from lightning_tlt.rl.common import PolicyFeatureSource
 
 
+class _Laps:
+    """Host seconds between successive calls, by name (`DrafterCoTrainCallback.last_boundary`)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = now - self._last
+        self._last = now
+
+
 def shared_weights(policy: torch.nn.Module, engine: DrafterHost) -> torch.nn.Module | None:
     """What a drafter of ``policy`` reads the embedding and LM head from, when not the policy itself.
 
@@ -154,6 +167,11 @@ class DrafterCoTrainCallback(Callback):
         self._pending_state: dict[str, Any] | None = None
         self._shares_copy = False  # the drafter reads the engine's gathered copy (a sharded policy)
         self.last_metrics: dict[str, float] = {}
+        self.last_boundary: dict[str, float] = {}
+        """Host seconds of each part of the last RL-step boundary (`on_train_batch_end`), in order: ``harvest``,
+        (``warm_start``, ``average``,) ``evaluation_read``, ``publish``, ``stats``, ``vocabulary``, ``prepare``,
+        (``evaluation_queued``,) ``log``. A part that reads the device back (``stats``, ``publish``'s finite check)
+        also holds the wait for the work queued before it: where a boundary's time goes, for a profile."""
         """What `on_train_batch_end` logged last."""
         self.evaluations: list[tuple[int, float, float]] = []
         """``(rl_step, trained, published)`` held-out acceptance rates (rank-mean) by the RL step
@@ -361,13 +379,17 @@ class DrafterCoTrainCallback(Callback):
         learner = self.learner
         if learner is None:
             return
+        laps = _Laps()
         learner.wait()
         self.rl_steps += 1
         self._harvest(pl_module)
+        laps("harvest")
         if not self._warm_started:  # warm_start="rollouts": the first boundary, on every rank
             self._run_warm_start(trainer)
+            laps("warm_start")
         if trainer.world_size > 1 and self.config.average_across_ranks:
             learner.average_(lambda flat: trainer.strategy.reduce(flat, reduce_op="mean"))
+            laps("average")
         evaluated = self._eval_ready or learner.take_evaluation()
         self._eval_ready = None
         engine = self.engine(trainer)
@@ -378,20 +400,28 @@ class DrafterCoTrainCallback(Callback):
         if heldout is not None:
             self._heldout = heldout
             self.evaluations.append((self._last_eval_step, *heldout))
+        laps("evaluation_read")
         published = self._maybe_publish(engine, measured, changed)
+        laps("publish")
         stats = learner.take_stats()  # before the evaluation is queued: reading it then would wait for it
+        laps("stats")
         vocab = engine.draft_vocab_ids()
         if vocab is not None:  # the rows the next rollout drafts from: the loss compares those only
             learner.set_vocabulary(vocab)
+        laps("vocabulary")
         if self.buffer.num_train:
             learner.prepare()  # the graph capture synchronizes: here, not in a stall
         learner.resume_after_main()  # later drafter steps see this boundary's buffer and weights
+        laps("prepare")
         if self._warm_started and (self.rl_steps == 1 or self.rl_steps % self.config.eval_every_n_steps == 0):
             learner.evaluate(self.published, self.heldout_plans())
             self._last_eval_step = self.rl_steps
             if self._shares_copy:  # it reads the engine's copy, which the next rollout's gather overwrites first
                 learner.wait()
+            laps("evaluation_queued")
         self._log(pl_module, engine, heldout, published, stats)
+        laps("log")
+        self.last_boundary = laps.seconds
 
     def _harvest(self, pl_module: pl.LightningModule) -> None:
         features = pl_module.take_policy_features() if isinstance(pl_module, PolicyFeatureSource) else None

@@ -352,6 +352,12 @@ def test_the_whole_pipeline_writes_a_report_its_units_give(e2e: ModuleType, tmp_
         assert all(unit["background_compile"] is None for unit in report["runs"])
         # --side-stream-sms auto (the default) on the CPU: no side stream, so no green context
         assert report["args"]["side_stream_sms"] == "auto" and all(u["side_stream_sms"] is None for u in report["runs"])
+        # each step's boundary_s by part: the update's finite check, then (a only) the drafter callback's parts
+        for unit in report["runs"]:
+            for step in unit["steps"]:
+                parts = step["boundary_parts"]
+                assert ("publish" in parts) == (unit["name"] == "tlt") and "nonfinite_check" in parts
+                assert sum(parts.values()) <= step["boundary_s"] + 1e-6
         return report
 
     first = call("--trl-budget-s", "0.01")  # the next TRL step never fits: one step each

@@ -326,6 +326,10 @@ def test_trainer_harvests_trains_in_stalls_publishes_and_logs(tmp_path: Path) ->
     # evaluations are queued at a boundary and read at the next one: logged from step 2 on
     assert [bool(r.get("drafter/heldout_accept_rate")) for r in rows] == [False, True, True]
     assert [e[0] for e in cb.evaluations] == [1, 2, 3]  # the last one read at the end of fit
+    # where the last boundary's host time went, part by part and in order (the e2e keeps it per step)
+    assert list(cb.last_boundary) == ["harvest", "evaluation_read", "publish", "stats", "vocabulary", "prepare",
+                                      "evaluation_queued", "log"]
+    assert all(v >= 0.0 for v in cb.last_boundary.values()) and sum(cb.last_boundary.values()) < 60.0
 
 
 def test_a_drafter_whose_every_update_was_skipped_publishes_no_new_version(
