@@ -167,12 +167,12 @@ class DrafterCoTrainCallback(Callback):
         self._pending_state: dict[str, Any] | None = None
         self._shares_copy = False  # the drafter reads the engine's gathered copy (a sharded policy)
         self.last_metrics: dict[str, float] = {}
+        """What `on_train_batch_end` logged last."""
         self.last_boundary: dict[str, float] = {}
         """Host seconds of each part of the last RL-step boundary (`on_train_batch_end`), in order: ``harvest``,
         (``warm_start``, ``average``,) ``evaluation_read``, ``publish``, ``stats``, ``vocabulary``, ``prepare``,
         (``evaluation_queued``,) ``log``. A part that reads the device back (``stats``, ``publish``'s finite check)
         also holds the wait for the work queued before it: where a boundary's time goes, for a profile."""
-        """What `on_train_batch_end` logged last."""
         self.evaluations: list[tuple[int, float, float]] = []
         """``(rl_step, trained, published)`` held-out acceptance rates (rank-mean) by the RL step
         whose weights they measured."""

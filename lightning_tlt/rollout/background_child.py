@@ -101,18 +101,21 @@ def _tell_when_staged_compiled(engine: Any, ready_path: str | None, start: float
     """Write ``ready_path`` once the engine has compiled (and stored) the staged EAGLE drafter's steps.
 
     The engine compiles them ahead, at its first speculative step (`compile_staged_drafter`), before the model-free
-    drafter's own verify: a parent that drafts with EAGLE may speculate from the file on. Written whole (a
-    temporary file renamed), so the parent never reads half of it."""
+    drafter's own verify: a parent that drafts with EAGLE may speculate from the file on. Written only where every
+    version compiled, and whole (a temporary file renamed), so the parent never reads half of it. A child whose
+    engine drafts with EAGLE itself stages nothing and writes no file: its parent waits for its exit."""
     compile_staged = engine.compile_staged_drafter
 
-    def compile_and_tell(*args: Any, **kwargs: Any) -> None:
-        compile_staged(*args, **kwargs)
+    def compile_and_tell(*args: Any, **kwargs: Any) -> bool:
+        if not compile_staged(*args, **kwargs):
+            return False  # a version failed: the parent must not speculate on steps that are not stored
         ready["ready_s"] = time.perf_counter() - start
         if ready_path is not None:
             path = Path(ready_path)
             part = path.with_name(path.name + ".part")
             part.write_text(json.dumps(ready))
             os.replace(part, path)
+        return True
 
     engine.compile_staged_drafter = compile_and_tell
 

@@ -11,8 +11,11 @@ store holds no speculative versions yet starts a child process at its first ``ge
 projections, speculative buffers and sampling settings), runs a short speculative ``generate`` (and the
 staged EAGLE drafter's compile ahead), and stores every version it compiles. Meanwhile the engine
 decodes without speculation; when the child has exited it looks again for stored versions
-(`stored_compile.refresh`) and speculation starts, loading what the child stored. A child that fails
-costs nothing but its log (one warning): the engine then compiles in-process, as without it.
+(`stored_compile.refresh`) and speculation starts, loading what the child stored. The child compiles the
+staged EAGLE drafter's steps first and then says so in a file (`CompileRecipe.ready_path`), before the
+model-free drafter's verify: an engine that drafts with EAGLE by then speculates from that file on
+(`BackgroundCompile.eagle_ready`). A child that fails costs nothing but its log (one warning): the engine
+then compiles in-process what it did not store, as without it.
 
 Versions are reused across processes only where their guards accept the arguments (the same
 shapes and settings); the recipe carries every setting the engine's compiled functions depend on,
@@ -254,11 +257,12 @@ class BackgroundCompile:
         self.seconds = time.perf_counter() - self.started
         self.ok = code == 0
         stored_compile.refresh()
+        if self.ready_path is not None:  # read or not, it says nothing once the child has gone
+            self.ready_path.unlink(missing_ok=True)
         if code == 0:  # the recipe and the log of a clean run are of no further use once its report is read
             self.result = _read_result(self.log_path)
-            for path in (self.recipe_path, self.log_path, self.ready_path):
-                if path is not None:
-                    path.unlink(missing_ok=True)
+            for path in (self.recipe_path, self.log_path):
+                path.unlink(missing_ok=True)
         elif code is not None:
             try:
                 tail = self.log_path.read_text(errors="replace").strip().splitlines()[-3:]
@@ -285,6 +289,9 @@ class BackgroundCompile:
     def summary(self) -> str:
         """One console line on the finished child: its wall time and what it compiled, function by function."""
         if not self.ok:
+            if self.ready_s is not None:
+                return ("the background compile did not finish after storing the EAGLE drafter's steps: the engine "
+                        "speculates on those and compiles the model-free drafter's itself")
             return "the background compile did not finish: the engine compiles the speculative steps itself"
         report = self.report()
         line = f"the speculative steps were compiled in the background in {report['seconds']:.1f} s"

@@ -309,14 +309,15 @@ class DecodeLoop(StepRunner):
         self._account(run, "speculative", emitted, dt, k)
         run.last = time.perf_counter()
 
-    def compile_staged_drafter(self, batch: int, sampling: SamplingKey, kv_len: int | None) -> None:
+    def compile_staged_drafter(self, batch: int, sampling: SamplingKey, kv_len: int | None) -> bool:
         """Compile the staged EAGLE drafter's step functions now (`stage_drafter`; compiled engines only).
 
         The engine calls it at the first speculative step of the model-free drafter the staged one will
         take over from: its hand-over (a later RL step, once the drafter is published) then captures
         graphs only, and no compile lands in the steady steps. An EAGLE step of one draft token, one of
         two and one of the longest length (the versions every draft length needs) over ``batch`` rows run on
-        the live state and are undone, as a capture's warm-up runs are; nothing is captured."""
+        the live state and are undone, as a capture's warm-up runs are; nothing is captured. Returns whether
+        every length compiled (a failure is one warning: the hand-over compiles instead)."""
         assert self._staged is not None and self._state is not None and self._spec_step is not None
         self._staged_compiled = True  # once, whatever happens below
         drafter = self._staged[0]
@@ -334,9 +335,10 @@ class DecodeLoop(StepRunner):
             except Exception as err:  # the hand-over compiles (or falls back) as it would have without this
                 warnings.warn(f"compiling the staged drafter's step ahead failed ({err!r}); it compiles at its "
                               "hand-over instead", stacklevel=2)
-                return
+                return False
             finally:
                 reset()
+        return True
 
     def _flags(self, snapshot: list[Request], phase: str, k: int = 0) -> PendingStep:
         """Start the copy of the step's finish flags (and emitted counts) to the host, without waiting."""

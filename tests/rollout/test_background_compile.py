@@ -170,6 +170,8 @@ def test_an_eagle_engine_speculates_as_soon_as_the_child_has_stored_the_eagle_st
     finally:
         os.kill(job._proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
         job.close()
+    assert not job.ready_path.exists()  # stopped, not clean: its file says nothing more and goes too
+    assert "after storing the EAGLE drafter's steps" in job.summary()
     # with nothing staged, the recipe names the EAGLE drafter the engine drafts with now: the child compiles its steps
     drafting = engine._spawn_background(SamplingKey(1.0, 0, 1.0))
     assert drafting is not None
@@ -179,3 +181,23 @@ def test_an_eagle_engine_speculates_as_soon_as_the_child_has_stored_the_eagle_st
         assert drafting.ready_path is not None
     finally:
         drafting.close()
+
+
+def test_the_child_writes_its_file_only_when_every_eagle_version_compiled(tmp_path: Path) -> None:
+    from lightning_tlt.rollout.background_child import _tell_when_staged_compiled
+
+    class Engine:  # the one method the child wraps: `RolloutEngine.compile_staged_drafter`'s result
+        def __init__(self, ok: bool) -> None:
+            self.ok = ok
+
+        def compile_staged_drafter(self, *args: object) -> bool:
+            return self.ok
+
+    for ok in (False, True):
+        path, ready = tmp_path / f"ready-{ok}.json", {}
+        engine = Engine(ok)
+        _tell_when_staged_compiled(engine, str(path), time.perf_counter(), ready)
+        assert engine.compile_staged_drafter(4, None, None) is ok
+        assert path.exists() is ok and ("ready_s" in ready) is ok  # a failed version: the parent must not speculate
+        if ok:
+            assert json.loads(path.read_text())["ready_s"] >= 0 and not path.with_name(path.name + ".part").exists()
