@@ -62,6 +62,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from _common import add_common_flags, warm_drafter
+from e2e.options import sms_option
 from lightning.pytorch.callbacks import Callback
 
 from lightning_tlt.callbacks.drafter_cotrain import DrafterCoTrainCallback, DrafterCoTrainConfig
@@ -179,6 +180,7 @@ def cotrain_callback(args: argparse.Namespace, drafter: EagleDrafter | None, pub
         max_decode_slowdown=args.max_slowdown, learning_rate=args.drafter_lr, warmup_steps=0,
         batch_size=args.drafter_batch, max_len=args.drafter_max_len, buffer_tokens=args.buffer_tokens,
         publish_every_n_steps=1 if publish else 10**9, eval_every_n_steps=5, handoff_margin=None, seed=args.seed,
+        side_stream_sms=args.side_stream_sms,
     )  # fmt: skip
     return DrafterCoTrainCallback(config, drafter=drafter)
 
@@ -319,6 +321,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stall-threshold", type=int, default=32, help="active rows at or below which decode is a stall")
     p.add_argument("--steps-per-event", type=int, default=4, help="most drafter steps queued per stall event")
     p.add_argument("--max-slowdown", type=float, default=0.05, help="cap on the measured decode slowdown")
+    p.add_argument("--side-stream-sms", default="auto", type=sms_option, metavar="{auto,all,N}",
+                   help="SMs of the drafter's side stream: auto (the default since 2026-12-08, a quarter of the "
+                        "device's), all (every SM: the runs before) or a count")
     p.add_argument("--drafter-lr", type=float, default=3e-4)
     p.add_argument("--drafter-batch", type=int, default=8)
     p.add_argument("--drafter-max-len", type=int, default=256)

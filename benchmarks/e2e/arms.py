@@ -30,7 +30,17 @@ from lightning_tlt.rollout.cuda_graphs import compile_seconds
 from lightning_tlt.tasks import get_task
 
 from .options import ROOT, E2EOptions
-from .workload import TRL_GENERATION, free, grpo_settings, load_policy, log, percentiles, stage_dir, sync
+from .workload import (
+    TRL_GENERATION,
+    UNIT_START,
+    free,
+    grpo_settings,
+    load_policy,
+    log,
+    percentiles,
+    stage_dir,
+    sync,
+)
 
 
 def device_name() -> str:
@@ -427,7 +437,7 @@ def run_lightning(
         "error": error,
         # traced afresh, its versions loaded from the store (see above); units of format 3 were "dynamo_reset" (the
         # versions an earlier run loaded stayed held), and earlier units shared traces too
-        "start": "as_new_process",
+        "start": UNIT_START,
         "provenance": provenance(args.commit, policy_dir),
     }
     del trainer, module, data, policy, callbacks, recorder

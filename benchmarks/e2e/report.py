@@ -405,16 +405,23 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, str]:
 
 
 def _same(x: str | None, y: str | None) -> bool:
-    """Two `_flatten` leaves equal, numbers to 1e-12 relative: Python's float sums may differ in the last bit
-    between the machine that wrote a report and the one that checks it (Python 3.12 on the H100 against 3.11
-    here: ``stderr_autocorr`` of a 2026-12-08 report, 1 ulp apart)."""
+    """Two `_flatten` leaves equal, numbers (in lists too) to 1e-12 relative: Python's float sums may differ in
+    the last bit between the machine that wrote a report and the one that checks it (Python 3.12 on the H100
+    against 3.11 here: ``stderr_autocorr`` of a 2026-12-08 report, 1 ulp apart)."""
     if x == y:
         return True
     if x is None or y is None:
         return False
-    u, v = json.loads(x), json.loads(y)
-    numbers = all(isinstance(n, (int, float)) and not isinstance(n, bool) for n in (u, v))
-    return numbers and math.isclose(u, v, rel_tol=1e-12, abs_tol=0.0)
+    return _close(json.loads(x), json.loads(y))
+
+
+def _close(u: Any, v: Any) -> bool:
+    if isinstance(u, list) and isinstance(v, list):
+        return len(u) == len(v) and all(_close(a, b) for a, b in zip(u, v))
+    if all(isinstance(n, (int, float)) and not isinstance(n, bool) for n in (u, v)):
+        both_nan = isinstance(u, float) and isinstance(v, float) and math.isnan(u) and math.isnan(v)
+        return bool(u == v or both_nan or math.isclose(u, v, rel_tol=1e-12, abs_tol=0.0))
+    return bool(u == v)
 
 
 def differences(report: dict[str, Any]) -> list[str]:

@@ -40,6 +40,8 @@ FORMAT = 4
 """The report's format: 2, units with provenance and the report recomputed from them (`report.recompute`);
 3, each run traced afresh (``start``) and the summary's compile seconds (`report.FORMAT_3_KEYS`); 4, the
 accuracy verdict allows for correlated steps (`report.no_accuracy_loss`)."""
+UNIT_START = "as_new_process"
+"""How a unit of `UNIT_FORMAT` starts (its ``start``): only such units are carried into this format's cache."""
 PREDATED_DEFAULTS = {"side_stream_sms": None}
 """What a report that predates a setting's current default measured with (`carry`): every SM before the
 default became ``"auto"`` (2026-12-08)."""
@@ -319,6 +321,8 @@ def carry(args: E2EOptions, report: dict[str, Any], source: str, parts: Path, tr
         paths = {name: parts / run_file(args, name, seed) for name in ("nospec", "tlt")}
         if set(pair) != set(paths) or any(path.is_file() for path in paths.values()):
             continue
+        if any(run.get("start") != UNIT_START for run in pair.values()):
+            continue  # measured otherwise than this format's units (`UNIT_FORMAT`): a cache of them would mix the two
         for name, path in paths.items():
             path.write_text(json.dumps(carried(pair[name]), default=float))
             taken.append(f"{name}/seed{seed}")

@@ -44,7 +44,7 @@ def _unit(name: str, seed: int, walls: list[float], tokens: list[float] | None =
           ) -> dict[str, Any]:
     tokens = tokens or [100.0] * len(walls)
     return {"name": name, "seed": seed, "total_s": sum(walls), "error": None, "graph_stats": None,
-            "steps": [_step(w, t, **extra) for w, t in zip(walls, tokens)],
+            "start": "as_new_process", "steps": [_step(w, t, **extra) for w, t in zip(walls, tokens)],
             "provenance": {"commit": "abc", "date": "2026-12-04T00:00:00+00:00", "device": "cpu", "measured": True}}
 
 
@@ -143,11 +143,15 @@ def test_a_hand_edit_or_a_unit_without_provenance_is_found(e2e: ModuleType, tmp_
     edited["trl_runs"][0]["provenance"] = {"commit": "abc", "date": "x", "device": "cpu", "measured": False}
     step = edited["ratios"]["a_over_b_step"]
     edited["ratios"]["a_over_b_step"] = step * (1 + 2e-16)  # another machine's last bit: the same figure
+    low, high = edited["ratios"]["a_over_b_step_ci95"]
+    edited["ratios"]["a_over_b_step_ci95"] = [low * (1 + 2e-16), high]  # the same, inside a list
     assert differences(edited) == ["capped.summary.tlt.step_s", "per_seed.0.a_over_b_step", "ratios.note",
                                    "provenance of trl/seed0: {'commit': 'abc', 'date': 'x', 'device': 'cpu', "
                                    "'measured': False}"]
     edited["ratios"]["a_over_b_step"] = step * (1 + 1e-9)  # far below a hand-rounded figure, and still caught
     assert "ratios.a_over_b_step" in differences(edited)
+    edited["ratios"]["a_over_b_step_ci95"] = [low, high * (1 + 1e-9)]
+    assert "ratios.a_over_b_step_ci95" in differences(edited)
 
 
 def test_every_committed_e2e_report_of_format_2_is_its_units_recomputed(e2e: ModuleType) -> None:
@@ -224,6 +228,9 @@ def test_the_e2e_carries_only_runs_measured_with_this_calls_settings(e2e: Module
     assert carried["step_s"] == [300.0, 100.0] and not list(parts.iterdir())
     assert carried["provenance"] == {"commit": "abc", "date": "2026-12-04", "device": "cpu", "measured": False,
                                      "carried_from": "old.json"}
+    # units of an older format's start (their versions held across runs: format 3) are never carried
+    older = {**report, "runs": [{**r, "start": "dynamo_reset"} for r in runs], "trl_runs": []}
+    assert e2e.carry(args, older, "old.json", parts, trl) == [] and not list(parts.iterdir())
     # the report's missing setting counts as its default (4): the pair is taken under this call's settings
     assert e2e.carry(args, report, "old.json", parts, trl) == ["nospec/seed0", "tlt/seed0"]
     b = json.loads((parts / "nospec_seed0.json").read_text())
