@@ -29,7 +29,7 @@ def auto_sms(total: int) -> int | None:
     The share is measured, not derived: at 0.5 B on the H200 a drafter step on 16, 32 and 64 SMs slowed a decode
     step beside it by 13, 17 and 36 % (every SM: 353 %) and took 47, 25 and 14 ms, so a pacer holding decode to a
     5 % slowdown admits about 8, 12 and 10 drafter steps a stall-second (every SM: 1.5); the e2e on an H100 then
-    ran 2-2.7x the drafter steps an RL step of every SM at the same 5 % with 32 (docs/benchmarks.md).
+    ran 2.1-2.8x the drafter steps an RL step of every SM at the same 5 % with 32 (docs/benchmarks.md).
     """
     if total < AUTO_MIN_SMS:
         return None

@@ -95,7 +95,7 @@ class DrafterTrainConfig:
     SMs; ``"auto"`` (the default): a quarter of the device's, in steps of 8 (32 on an H100 or H200), where
     torch has green contexts and the device at least 32 SMs, else all (`lightning_tlt.drafters.side_streams.auto_sms`).
     Measured at 0.5 B: 32 SMs gave the most drafter steps a stall-second under a capped decode slowdown (16, 32
-    and 64 SMs and all on the H200), and 2-2.7x the drafter steps an RL step of all SMs at the same 5 % in the
+    and 64 SMs and all on the H200), and 2.1-2.8x the drafter steps an RL step of all SMs at the same 5 % in the
     e2e on an H100 (docs/benchmarks.md). Applies to ``"graph"`` and ``"stream"`` execution only (the CPU has no
     side stream)."""
 
