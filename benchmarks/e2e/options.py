@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from lightning_tlt.drafters import side_streams
+
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ("warmstart", "ab", "trl", "cap")
 
@@ -130,9 +132,8 @@ class E2EOptions:
         if self.step_timeout_s < 0 or self.watchdog_s < 0:
             raise ValueError(f"--step-timeout-s and --watchdog-s must be >= 0 (0: off), got {self.step_timeout_s} "
                              f"and {self.watchdog_s}")
-        sms = self.side_stream_sms
-        if not (sms is None or sms == "auto" or (isinstance(sms, int) and not isinstance(sms, bool) and sms >= 1)):
-            raise ValueError(f"--side-stream-sms takes auto, all or a count >= 1, got {sms!r}")
+        if not side_streams.is_setting(self.side_stream_sms):
+            raise ValueError(f"--side-stream-sms takes auto, all or a count >= 1, got {self.side_stream_sms!r}")
         if self.stall_steps < 0:
             raise ValueError(f"--stall-steps must be >= 0 (0: no drafter steps in the stalls), got {self.stall_steps}")
         if self.cap is not None and not 1 <= self.cap <= self.max_new:

@@ -22,6 +22,11 @@ AUTO_MIN_SMS = 32
 """Devices with fewer SMs are not split by ``"auto"``: a quarter of them would leave the drafter too few."""
 
 
+def is_setting(value: object) -> bool:
+    """Whether ``value`` is a ``side_stream_sms`` setting: ``"auto"``, ``None`` (every SM) or a count >= 1."""
+    return value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+
+
 def auto_sms(total: int) -> int | None:
     """``side_stream_sms="auto"`` on a device of ``total`` SMs: a quarter of them in steps of 8 (green contexts
     partition SMs in groups; 32 of an H100's or H200's 132), or ``None`` (every SM) below `AUTO_MIN_SMS`.
@@ -61,11 +66,11 @@ class GreenContexts:
         to every SM, with one warning, where the green context cannot be made (a driver without them, say): a
         default never stops a run that every SM would serve."""
         sms = self.resolve(device, setting)
-        if setting != "auto" or sms is None:
-            return self.stream(device, sms, owner), sms
         try:
             return self.stream(device, sms, owner), sms
         except Exception as err:  # noqa: BLE001 - whatever the driver says, every SM still works
+            if setting != "auto" or sms is None:
+                raise  # asked for explicitly (or every SM already): the error is the user's to see
             warnings.warn(f"side_stream_sms='auto': no green context of {sms} SMs could be made ({err!r}); the "
                           "drafter's side stream uses every SM", stacklevel=3)
             return self.stream(device, None, owner), None

@@ -44,6 +44,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from lightning_tlt.drafters import side_streams
 from lightning_tlt.drafters.buffer import FeatureReplayBuffer
 from lightning_tlt.drafters.eagle import EagleBatch, EagleDrafter
 from lightning_tlt.drafters.loss import DrafterLossOutput, eagle_loss
@@ -115,9 +116,9 @@ class DrafterTrainConfig:
             raise ValueError(f"eval_temperature must be > 0, got {self.eval_temperature!r}")
         if self.execution not in _EXECUTIONS:
             raise ValueError(f"execution must be one of {_EXECUTIONS}, got {self.execution!r}")
-        sms = self.side_stream_sms
-        if not (sms is None or sms == "auto" or (isinstance(sms, int) and not isinstance(sms, bool) and sms >= 1)):
-            raise ValueError(f"side_stream_sms must be 'auto', None (every SM) or a count >= 1, got {sms!r}")
+        if not side_streams.is_setting(self.side_stream_sms):
+            raise ValueError(f"side_stream_sms must be 'auto', None (every SM) or a count >= 1, "
+                             f"got {self.side_stream_sms!r}")
 
 
 class DrafterTrainer:
